@@ -1,0 +1,37 @@
+"""muloco: low-communication distributed training of language models (DiLoCo, MuLoCo, Streaming DiLoCo).
+
+Map of the package (arrows point down only; see DESIGN.md):
+    cli.py -> trainer.py -> replica.py, outer.py -> comm/
+    config.py (the schema), models/, data/, optim/, metrics.py, checkpoint.py, lr_schedule.py
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from muloco.config import Config, load_config
+    from muloco.diloco import DiLoCo
+    from muloco.optim import Muon
+
+
+def __getattr__(name: str):
+    # Lazy exports keep `import muloco` (and the CLI's start) fast.
+    if name in ("load_config", "Config"):
+        from muloco import config
+
+        return getattr(config, name)
+    if name == "DiLoCo":
+        from muloco.diloco import DiLoCo
+
+        return DiLoCo
+    if name == "Muon":
+        from muloco.optim import Muon
+
+        return Muon
+    raise AttributeError(f"module 'muloco' has no attribute {name!r}")
+
+
+__all__ = ["Config", "DiLoCo", "Muon", "__version__", "load_config"]

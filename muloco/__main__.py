@@ -1,0 +1,5 @@
+import sys
+
+from muloco.cli import main
+
+sys.exit(main())

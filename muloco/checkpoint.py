@@ -1,0 +1,103 @@
+"""Checkpoints: complete (everything needed to continue bitwise), atomic, loaded with weights_only=True.
+
+Files are `<run_dir>/checkpoints/step_<inner step, 8 digits>.pt`. A write goes to a temporary file in the
+same directory, is fsynced, then renamed over the final name, so a crash leaves either the old set of
+checkpoints or the new one, never a torn file under a final name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from muloco.errors import CheckpointError
+
+log = logging.getLogger("muloco")
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^step_(\d{8})\.pt$")
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"step_{step:08d}.pt"
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoint files, oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
+
+
+def save_checkpoint(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
+    """Write atomically (temp file, fsync, rename, fsync dir); keep the newest `keep` checkpoints."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, step)
+    fd, tmp_name = tempfile.mkstemp(prefix=".tmp_", suffix=".pt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"format": FORMAT_VERSION, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, final)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+    for old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Load one checkpoint; a missing, truncated or foreign file raises CheckpointError."""
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint.resume: file not found: {path}; check the path or use resume=never"
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a torn or foreign file
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or not a muloco checkpoint ({type(exc).__name__}); "
+            "delete it or set checkpoint.resume=never"
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} is not a muloco checkpoint of format {FORMAT_VERSION}; "
+            "delete it or set checkpoint.resume=never"
+        )
+    return state
+
+
+def find_resume_state(resume: str, directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """What `checkpoint.resume` asks for: None (start fresh) or (path, state).
+
+    `auto` takes the newest valid checkpoint and falls back to older ones, with a warning, when the newest
+    is corrupt; if every checkpoint is corrupt it raises rather than silently starting over.
+    """
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume).expanduser()
+        return path, load_checkpoint(path)
+    candidates = list_checkpoints(directory)
+    errors = []
+    for path in reversed(candidates):
+        try:
+            return path, load_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning("skipping unreadable checkpoint path=%s reason=%s", path, exc)
+            errors.append(str(exc))
+    if errors:
+        raise CheckpointError(errors[0])
+    return None

@@ -1,0 +1,94 @@
+"""The `muloco` command line (DESIGN.md contract).
+
+    muloco train CONFIG [KEY=VALUE ...]     one run
+    muloco launch --nproc N CONFIG [...]    N local processes (torch.distributed, gloo/nccl)
+    muloco config CONFIG [KEY=VALUE ...]    print the resolved, validated config
+
+Bad input exits with code 2 and one line naming the field or file and the fix; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from muloco.errors import UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="muloco", description="DiLoCo / MuLoCo / Streaming DiLoCo training")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in (
+        ("train", "run one training job"),
+        ("config", "print the resolved, validated config"),
+    ):
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("config", metavar="CONFIG", help="YAML config file")
+        cmd.add_argument(
+            "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. inner.lr=0.01"
+        )
+    launch = sub.add_parser("launch", help="start N local processes of `muloco train` (torch.distributed)")
+    launch.add_argument("--nproc", type=int, required=True, help="number of processes")
+    launch.add_argument("--backend", choices=["torch"], default="torch", help="backend of the processes")
+    launch.add_argument("config", metavar="CONFIG", help="YAML config file")
+    launch.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    return parser
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from muloco.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    print(cfg.to_yaml(), end="")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from muloco.config import load_config
+    from muloco.trainer import EXIT_INTERRUPTED, Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    trainer = Trainer(cfg)
+    summary = trainer.run()
+    logging.getLogger("muloco").info(
+        "done status=%s final_val_loss=%.4f tokens=%d wall_time_s=%.1f run_dir=%s",
+        summary["status"],
+        summary["final_val_loss"],
+        summary["tokens_seen"],
+        summary["wall_time_s"],
+        trainer.run_dir,
+    )
+    if summary["status"] == "interrupted":
+        return EXIT_INTERRUPTED.get(trainer.stop_signal, 130)
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from muloco.config import load_config
+    from muloco.launch import launch
+
+    load_config(args.config, args.overrides)  # fail here, once, rather than in every rank
+    return launch(args.nproc, args.config, args.overrides, args.backend)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_logging()
+    commands = {"train": cmd_train, "config": cmd_config, "launch": cmd_launch}
+    try:
+        return commands[args.command](args)
+    except UserError as exc:
+        print(f"muloco: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("muloco: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""What a replica sends at a sync: its pseudogradient, one compressed payload per parameter, in one message.
+
+A process concatenates its replicas' messages into one blob; the blobs of all processes are all-gathered, and
+every process decodes every replica's message, in global replica order, and averages them. So every process
+computes the same mean, bit for bit, and the simulation encodes exactly what a real node would send.
+
+Message layout (little-endian): u32 count, count x u64 lengths, then the payloads back to back.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import torch
+
+from muloco.compress import (
+    CompressionError,
+    Compressor,
+    ErrorFeedback,
+    get_compressor,
+    get_compressor_from_config,
+)
+from muloco.models.roles import ParamRole
+
+_COUNT = struct.Struct("<I")
+_LEN = struct.Struct("<Q")
+MAX_PARTS = 1 << 20  # no model here has a million tensors: a larger count is a corrupt message
+
+
+def pack(parts: list[bytes]) -> bytes:
+    lengths = b"".join(_LEN.pack(len(p)) for p in parts)
+    return _COUNT.pack(len(parts)) + lengths + b"".join(parts)
+
+
+def unpack(blob: bytes) -> list[bytes]:
+    """Split a message; any inconsistency raises CompressionError (checked before slicing)."""
+    view = memoryview(blob)
+    if len(view) < _COUNT.size:
+        raise CompressionError(f"sync message of {len(view)} bytes is too short for its header")
+    (count,) = _COUNT.unpack_from(view, 0)
+    header = _COUNT.size + count * _LEN.size
+    if count > MAX_PARTS or header > len(view):
+        raise CompressionError(f"sync message declares {count} parts but holds {len(view)} bytes")
+    lengths = [_LEN.unpack_from(view, _COUNT.size + i * _LEN.size)[0] for i in range(count)]
+    if header + sum(lengths) != len(view):
+        raise CompressionError(
+            f"sync message sizes do not add up: header says {header + sum(lengths)} bytes, got {len(view)}"
+        )
+    parts, offset = [], header
+    for length in lengths:
+        parts.append(bytes(view[offset : offset + length]))
+        offset += length
+    return parts
+
+
+def is_skipped(name: str, role: ParamRole, skip: list[str]) -> bool:
+    """compression.skip entries are role names (embedding, head, norm, bias, scalar) or name regexes."""
+    roles = {r.value for r in ParamRole}
+    return any(role.value == rule if rule in roles else re.search(rule, name) for rule in skip)
+
+
+class PseudogradientCodec:
+    """Per-parameter compressors and the encode / decode-and-average of whole pseudogradients."""
+
+    def __init__(self, names: list[str], compressors: list[Compressor]) -> None:
+        assert len(names) == len(compressors), f"{len(names)=} != {len(compressors)=}"
+        self.names = names
+        self.compressors = compressors
+        self.skipped = [False] * len(names)
+
+    @classmethod
+    def from_config(cls, names: list[str], roles: dict[str, ParamRole], cfg) -> PseudogradientCodec:
+        """cfg is the `compression:` section; skipped parameters travel as fp32 or bf16."""
+        main = get_compressor_from_config(cfg)
+        plain = get_compressor("bf16" if cfg.skip_dtype == "bf16" else "none")
+        skipped = [is_skipped(n, roles[n], cfg.skip) for n in names]
+        codec = cls(names, [plain if s else main for s in skipped])
+        codec.skipped = skipped
+        return codec
+
+    def encode(self, delta: list[torch.Tensor], error_feedback: ErrorFeedback | None = None) -> bytes:
+        """One replica's message. Error feedback applies to the compressed parameters only."""
+        payloads = []
+        for name, d, comp, skipped in zip(self.names, delta, self.compressors, self.skipped, strict=True):
+            if error_feedback is not None and not skipped:
+                payloads.append(error_feedback.encode(name, d, comp))
+            else:
+                payloads.append(comp.encode(d))
+        return pack(payloads)
+
+    def decode_sum(self, message: bytes, out: list[torch.Tensor]) -> None:
+        """Add one replica's decoded pseudogradient into `out` (in place)."""
+        payloads = unpack(message)
+        if len(payloads) != len(self.names):
+            raise CompressionError(
+                f"sync message holds {len(payloads)} tensors, the model has {len(self.names)}"
+            )
+        for acc, payload, comp, name in zip(out, payloads, self.compressors, self.names, strict=True):
+            decoded = comp.decode(payload)
+            if decoded.shape != acc.shape:
+                raise CompressionError(f"{name}: decoded shape {tuple(decoded.shape)} != {tuple(acc.shape)}")
+            acc.add_(decoded.to(acc.device))
+
+    def decode_mean(
+        self, blobs: list[bytes], num_replicas: int, like: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Mean of every replica's message; blobs are the processes' packed messages in rank order."""
+        total = [torch.zeros_like(t) for t in like]
+        seen = 0
+        for blob in blobs:
+            for message in unpack(blob):
+                self.decode_sum(message, total)
+                seen += 1
+        if seen != num_replicas:
+            raise CompressionError(f"sync received {seen} replica messages, expected K = {num_replicas}")
+        return [t.div_(num_replicas) for t in total]
+
+    def payload_bits(self, shapes: list[torch.Size]) -> float:
+        """Bits one replica's message takes (payloads and the message header)."""
+        body = sum(c.payload_nbytes(tuple(s)) for c, s in zip(self.compressors, shapes, strict=True))
+        return 8.0 * (body + _COUNT.size + _LEN.size * len(shapes))
+
+
+__all__ = ["PseudogradientCodec", "is_skipped", "pack", "unpack"]

@@ -1,0 +1,41 @@
+"""Communication backends. A backend moves tensors and bytes between processes; it knows nothing about
+optimizers.
+
+- `base.py`: the `Backend` protocol and `Handle` (asynchronous operations), byte accounting helpers.
+- `local.py`: one process hosting every replica (simulation); reductions across processes are identities.
+- `torch_dist.py`: torch.distributed (gloo on CPU, nccl on CUDA), set up from the torchrun environment.
+"""
+
+import logging
+import os
+
+from muloco.comm.base import Backend, CompletedHandle, Handle, ring_allgather_bytes, ring_allreduce_bytes
+from muloco.comm.local import LocalBackend
+
+
+def build_backend(cfg) -> Backend:
+    """The backend named by `backend.kind`."""
+    kind = cfg.backend.kind
+    if kind == "local" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.getLogger("muloco").info(
+            "WORLD_SIZE=%s is set (torchrun): using backend.kind=torch", os.environ["WORLD_SIZE"]
+        )
+        kind = "torch"
+    if kind == "local":
+        return LocalBackend()
+    if kind == "torch":
+        from muloco.comm.torch_dist import TorchDistBackend
+
+        return TorchDistBackend(cfg.backend.torch.timeout_s, cfg.backend.torch.dist_backend)
+    raise ValueError(f"backend.kind: unknown backend {cfg.backend.kind!r}")
+
+
+__all__ = [
+    "Backend",
+    "CompletedHandle",
+    "Handle",
+    "LocalBackend",
+    "build_backend",
+    "ring_allgather_bytes",
+    "ring_allreduce_bytes",
+]

@@ -1,0 +1,64 @@
+"""The Backend protocol: the narrow surface the engine uses to talk to other processes.
+
+Every collective must be called by every process of the run in the same order; a process that skips one
+leaves the others waiting until the backend's timeout. Operations return a `Handle` so that a backend can
+overlap them with compute (Streaming DiLoCo); `wait()` blocks until the result is there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class Handle(Protocol):
+    def wait(self) -> Any:
+        """Block until the operation is complete and return its result."""
+        ...
+
+
+class CompletedHandle:
+    """A handle whose result is already there (the local backend completes everything at once)."""
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def wait(self) -> Any:
+        return self._result
+
+
+class Backend(Protocol):
+    rank: int  # this process's index
+    world_size: int  # number of processes P (the run has K = P x k replicas)
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> Handle:
+        """Sum each tensor elementwise over all processes, in place; the handle returns the tensors."""
+        ...
+
+    def all_gather_bytes(self, payload: bytes) -> Handle:
+        """Every process contributes a payload; the handle returns the list of all, in rank order."""
+        ...
+
+    def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> Handle:
+        """Overwrite the tensors in place with process `src`'s values."""
+        ...
+
+    def barrier(self) -> None:
+        """Wait until every process reaches this point."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def ring_allreduce_bytes(payload_bytes: int, workers: int) -> float:
+    """Bytes one node sends in a ring all-reduce of `payload_bytes`: 2 (K-1)/K x payload (reduce-scatter
+    then all-gather; Patarasuk & Yuan 2009). Zero for K = 1: nothing leaves the node."""
+    return 2.0 * (workers - 1) / workers * payload_bytes
+
+
+def ring_allgather_bytes(payload_bytes: float, workers: int) -> float:
+    """Bytes one node sends in a ring all-gather of one `payload_bytes` message per node: (K-1) x payload
+    (it forwards every other node's message once). Unlike the all-reduce this grows with K, which is why
+    compressed payloads only pay off while (K-1) x compressed < 2 (K-1)/K x fp32."""
+    return (workers - 1) * payload_bytes

@@ -1,0 +1,117 @@
+"""`muloco launch --nproc N CONFIG [KEY=VALUE ...]`: N local processes of `muloco train`, wired as torchrun
+would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT).
+
+Each line a process prints is prefixed with its rank. Ctrl+C / SIGTERM are forwarded to every process. When
+one process fails, the others are ended (SIGTERM, then SIGKILL after a grace period) and the launcher exits
+with the failed rank's exit code, after repeating that rank's last error line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+
+GRACE_S = 10.0  # how long ended processes get to write their checkpoint before SIGKILL
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pump(stream, prefix: str, sink, tail: deque) -> None:
+    for line in iter(stream.readline, ""):
+        tail.append(line.rstrip("\n"))
+        sink.write(f"{prefix}{line}")
+        sink.flush()
+    stream.close()
+
+
+def launch(nproc: int, config: str, overrides: list[str], backend: str = "torch") -> int:
+    if nproc < 1:
+        print(f"muloco: error: --nproc must be >= 1, got {nproc}", file=sys.stderr)
+        return 2
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    tails: list[deque] = []
+    threads = []
+    for rank in range(nproc):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))  # share the cores
+        cmd = [sys.executable, "-m", "muloco", "train", config, *overrides, f"backend.kind={backend}"]
+        # Own process group: a terminal's Ctrl+C reaches the launcher only, which forwards it once.
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        procs.append(proc)
+        tail: deque = deque(maxlen=20)
+        tails.append(tail)
+        for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            t = threading.Thread(target=_pump, args=(stream, f"[rank {rank}] ", sink, tail), daemon=True)
+            t.start()
+            threads.append(t)
+
+    forwarded: list[int] = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    failed_rank = None
+    try:
+        while any(p.poll() is None for p in procs):
+            for rank, p in enumerate(procs):
+                code = p.poll()
+                if code not in (None, 0) and failed_rank is None and not forwarded:
+                    failed_rank = rank
+                    _end_all(procs)
+            time.sleep(0.1)
+    finally:
+        _end_all(procs)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for t in threads:
+            t.join(timeout=5)
+    codes = [p.returncode for p in procs]
+    if failed_rank is None:
+        failed_rank = next((r for r, c in enumerate(codes) if c != 0), None)
+    if failed_rank is None:
+        return 0
+    code = codes[failed_rank]
+    last = next((line for line in reversed(tails[failed_rank]) if line.strip()), "")
+    print(f"muloco: rank {failed_rank} exited with code {code}: {last}", file=sys.stderr)
+    return code if code and code > 0 else 1
+
+
+def _end_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every live process, SIGKILL what is still alive after the grace period."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

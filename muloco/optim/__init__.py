@@ -1,0 +1,28 @@
+"""Inner optimizers: Muon and its Newton-Schulz maths, parameter routing, the factory the trainer calls.
+
+    newton_schulz.py  pure functions: coefficient sets (keller, muloco, polar_express), normalization,
+                      the standard and Gram Newton-Schulz iterations, the CPU/GPU dtype choice
+    muon.py           `muon_update` and `adjusted_lr` (pure), and the thin `Muon` optimizer class
+    routing.py        which parameters go to Muon and which to AdamW (roles + regex overrides)
+    factory.py        `build_inner_optimizer(model, inner)` -> `InnerOptimizer` for inner.optimizer =
+                      muon | adamw | sgd | torch_muon
+
+docs/optimizers.md describes the options and where we differ from torch.optim.Muon.
+"""
+
+from muloco.optim.factory import InnerOptimizer, build_inner_optimizer
+from muloco.optim.muon import Muon, adjusted_lr, muon_update
+from muloco.optim.newton_schulz import COEFFICIENT_SETS, newton_schulz
+from muloco.optim.routing import muon_param_groups, routing_table
+
+__all__ = [
+    "COEFFICIENT_SETS",
+    "InnerOptimizer",
+    "Muon",
+    "adjusted_lr",
+    "build_inner_optimizer",
+    "muon_param_groups",
+    "muon_update",
+    "newton_schulz",
+    "routing_table",
+]

@@ -1,0 +1,185 @@
+"""The inner optimizer of one replica, built from the `inner:` config section.
+
+`build_inner_optimizer(model, inner)` returns an `InnerOptimizer`: a thin wrapper over one or two torch
+optimizers (Muon on hidden matrices + AdamW on the rest, or a single AdamW / SGD) that looks like one
+optimizer to the trainer: `param_groups`, `step()`, `zero_grad()`, `state_dict()`, `load_state_dict()`.
+
+inner.optimizer:
+    muon        our Muon (muon.py) on the routed matrices + torch.optim.AdamW on the rest (MuLoCo)
+    adamw       torch.optim.AdamW on everything with inner.adamw.* (DiLoCo)
+    sgd         torch.optim.SGD(lr=inner.lr, momentum, nesterov, weight_decay) on everything
+    torch_muon  torch.optim.Muon + AdamW, the reference implementation (2-D matrices, one NS triple)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from muloco.config import InnerConfig
+from muloco.errors import ConfigError
+from muloco.models.roles import param_roles
+from muloco.optim.muon import Muon
+from muloco.optim.newton_schulz import KELLER, resolve_coefficients
+from muloco.optim.routing import Named, format_routing, muon_param_groups
+
+# inner.adjust_lr -> torch.optim.Muon's adjust_lr_fn; torch has no spectral scaling.
+_TORCH_ADJUST_LR = {"original": "original", "match_rms_adamw": "match_rms_adamw"}
+
+
+class InnerOptimizer:
+    """Several torch optimizers driven as one.
+
+    `param_groups` is the concatenation of the sub-optimizers' groups (the same dicts, so writing
+    `group["lr"]` reaches the optimizer); every group carries "initial_lr", its base lr, and "name".
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], description: str = "") -> None:
+        assert optimizers, "an InnerOptimizer needs at least one optimizer"
+        self.optimizers = list(optimizers)
+        self._description = description
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group.setdefault("initial_lr", group["lr"])
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers:
+            opt.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        states = state_dict["optimizers"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"optimizer state holds {len(states)} optimizers but this one has {len(self.optimizers)}; "
+                "was it saved with a different inner.optimizer or routing?"
+            )
+        for opt, state in zip(self.optimizers, states, strict=True):
+            opt.load_state_dict(state)
+
+    def state_bytes(self) -> int:
+        """Bytes held in optimizer state tensors (momentum, Adam moments, step counters)."""
+        return sum(
+            value.numel() * value.element_size()
+            for opt in self.optimizers
+            for state in opt.state.values()
+            for value in state.values()
+            if torch.is_tensor(value)
+        )
+
+    def describe(self) -> str:
+        """The routing table: which optimizer updates which parameters."""
+        return self._description
+
+
+def _adamw(params: list[nn.Parameter], inner: InnerConfig) -> torch.optim.AdamW:
+    a = inner.adamw
+    # foreach default: fused AdamW is not available on the CPU for every dtype.
+    opt = torch.optim.AdamW(params, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay)
+    opt.param_groups[0]["name"] = "adamw"
+    return opt
+
+
+def _split(model: nn.Module, inner: InnerConfig) -> tuple[Named, Named]:
+    return muon_param_groups(model, inner.muon_params, inner.adamw_params)
+
+
+def _torch_muon(params: list[nn.Parameter], names: list[str], inner: InnerConfig) -> torch.optim.Muon:
+    if inner.adjust_lr not in _TORCH_ADJUST_LR:
+        raise ConfigError(
+            f"inner.adjust_lr={inner.adjust_lr!r} is not supported by torch.optim.Muon; "
+            "use inner.adjust_lr=original or match_rms_adamw, or inner.optimizer=muon"
+        )
+    coefficients = resolve_coefficients(inner.ns_coefficients)
+    if len(coefficients.triples) != 1:
+        raise ConfigError(
+            f"inner.ns_coefficients={inner.ns_coefficients!r} has per-step triples; torch.optim.Muon takes "
+            f"one (a, b, c) triple: use inner.ns_coefficients={KELLER.name} or inner.optimizer=muon"
+        )
+    for name, p in zip(names, params, strict=True):
+        if p.ndim != 2:
+            raise ConfigError(
+                f"torch.optim.Muon only takes 2-D parameters, got {name!r} of shape {tuple(p.shape)}; "
+                "use inner.optimizer=muon or route it with inner.adamw_params"
+            )
+    opt = torch.optim.Muon(
+        params,
+        lr=inner.lr,
+        weight_decay=inner.weight_decay,
+        momentum=inner.momentum,
+        nesterov=inner.nesterov,
+        ns_coefficients=coefficients.triples[0],
+        ns_steps=inner.ns_steps,
+        adjust_lr_fn=_TORCH_ADJUST_LR[inner.adjust_lr],
+    )
+    opt.param_groups[0]["name"] = "muon"
+    return opt
+
+
+def build_inner_optimizer(model: nn.Module, inner: InnerConfig) -> InnerOptimizer:
+    """The inner optimizer named by `inner.optimizer` over `model`'s trainable parameters."""
+    roles = param_roles(model)
+    kind = inner.optimizer
+    if kind in ("adamw", "sgd"):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        if kind == "adamw":
+            return InnerOptimizer([_adamw(params, inner)], format_routing({"adamw": named}, roles))
+        if inner.nesterov and inner.momentum == 0:
+            raise ConfigError("inner.nesterov=true needs inner.momentum > 0 for sgd; set one of them")
+        sgd = torch.optim.SGD(
+            params,
+            lr=inner.lr,
+            momentum=inner.momentum,
+            nesterov=inner.nesterov,
+            weight_decay=inner.weight_decay,
+        )
+        sgd.param_groups[0]["name"] = "sgd"
+        return InnerOptimizer([sgd], format_routing({"sgd": named}, roles))
+    if kind not in ("muon", "torch_muon"):
+        raise ConfigError(f"inner.optimizer={kind!r} is unknown; use muon, adamw, sgd or torch_muon")
+
+    muon_named, adamw_named = _split(model, inner)
+    optimizers: list[torch.optim.Optimizer] = []
+    if muon_named:
+        names, params = [n for n, _ in muon_named], [p for _, p in muon_named]
+        if kind == "torch_muon":
+            optimizers.append(_torch_muon(params, names, inner))
+        else:
+            muon = Muon(
+                params,
+                lr=inner.lr,
+                weight_decay=inner.weight_decay,
+                momentum=inner.momentum,
+                nesterov=inner.nesterov,
+                ns_steps=inner.ns_steps,
+                ns_coefficients=inner.ns_coefficients,
+                adjust_lr=inner.adjust_lr,
+            )
+            muon.param_groups[0]["name"] = "muon"
+            optimizers.append(muon)
+    if adamw_named:
+        optimizers.append(_adamw([p for _, p in adamw_named], inner))
+    if not optimizers:
+        raise ConfigError("the model has no trainable parameters for the inner optimizer")
+    description = format_routing({"muon": muon_named, "adamw": adamw_named}, roles)
+    return InnerOptimizer(optimizers, description)

@@ -1,0 +1,109 @@
+"""A replica: model parameters + inner optimizer state + its own data stream (DESIGN.md).
+
+A process hosts k >= 1 replicas. In DiLoCo each replica trains alone for H inner steps; the trainer then
+reads its pseudogradient and resets it to the new global parameters. Inner optimizer state persists across
+rounds, as in DiLoCo (Douillard et al. 2023).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from muloco.outer import pseudogradient
+
+
+def forward_backward(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss_scale: float,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> float:
+    """Accumulate gradients of loss_scale x loss over the batches; return the sum of unscaled losses."""
+    total = 0.0
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast():
+            loss = model(x, y)
+        (loss * loss_scale).backward()
+        total += loss.item()  # a CPU-GPU sync point, once per micro-batch
+    return total
+
+
+def set_lr_multiplier(optimizer, multiplier: float) -> None:
+    """Scale every group's lr by the schedule's multiplier (groups keep their base lr in 'initial_lr')."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] * multiplier
+
+
+class Replica:
+    def __init__(self, index: int, model: nn.Module, optimizer, stream, device: torch.device) -> None:
+        self.index = index  # global replica index r in [0, K)
+        self.model = model
+        self.optimizer = optimizer
+        self.stream = stream
+        self.device = device
+        self.compute_time_s = 0.0  # measured inner-step time, summed over the run
+        self.error_feedback = None  # an ErrorFeedback when compression.error_feedback is on
+
+    def train_step(
+        self,
+        micro_batches: int,
+        seqs_per_micro: int,
+        lr_multiplier: float,
+        grad_clip: float,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+    ) -> float:
+        """One inner step on this replica's next batch; returns the mean training loss."""
+        set_lr_multiplier(self.optimizer, lr_multiplier)
+        batches = (self.stream.next_batch(seqs_per_micro) for _ in range(micro_batches))
+        loss_sum = forward_backward(self.model, batches, 1.0 / micro_batches, self.device, autocast)
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / micro_batches
+
+    def pseudogradient(self, global_params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """delta = theta_global - theta_replica, in fp32 on the global parameters' device."""
+        return pseudogradient(global_params, list(self.model.parameters()))
+
+    @torch.no_grad()
+    def load_global(self, global_params: list[torch.Tensor]) -> None:
+        """Reset the replica's parameters to the global ones (the DiLoCo merge with alpha = 0)."""
+        for p, g in zip(self.model.parameters(), global_params, strict=True):
+            p.copy_(g)
+
+    def move_to(self, device: torch.device) -> None:
+        """Move parameters and optimizer state (simulation.offload keeps inactive replicas on the CPU)."""
+        for p in self.model.parameters():
+            p.data = p.data.to(device)
+        for state in _optimizer_states(self.optimizer):
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    state[key] = value.to(device)
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "stream": self.stream.state_dict(),
+            "error_feedback": self.error_feedback.state_dict() if self.error_feedback is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.stream.load_state_dict(state["stream"])
+        if self.error_feedback is not None:
+            self.error_feedback.load_state_dict(state["error_feedback"])
+
+
+def _optimizer_states(optimizer) -> list[dict]:
+    inner = getattr(optimizer, "optimizers", None)
+    optimizers = inner if inner is not None else [optimizer]
+    return [state for opt in optimizers for state in opt.state.values()]

@@ -1,0 +1,561 @@
+"""The training loop. One DiLoCo round reads top to bottom in `Trainer._diloco_round`:
+
+    inner steps -> pseudogradients -> reduce -> outer step -> merge into replicas -> eval/log/checkpoint
+
+A process hosts k >= 1 replicas of the run's K (DESIGN.md). With the local backend k = K (simulation); other
+backends only change how `_reduce` sums across processes. `method: dp` is the data-parallel baseline: one
+model whose gradients are averaged over the K workers' batches every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+import muloco
+from muloco.checkpoint import find_resume_state, save_checkpoint
+from muloco.codec import PseudogradientCodec, pack
+from muloco.comm import Backend, build_backend, ring_allgather_bytes, ring_allreduce_bytes
+from muloco.compress import ErrorFeedback
+from muloco.config import Config
+from muloco.data import ReplicaStream, load_data, val_batches
+from muloco.errors import CheckpointError, UserError
+from muloco.lr_schedule import lr_multiplier
+from muloco.metrics import MetricsLogger, start_wandb
+from muloco.models import build_model, param_roles
+from muloco.optim import build_inner_optimizer
+from muloco.outer import OuterOptimizer
+from muloco.replica import Replica, forward_backward, set_lr_multiplier
+
+log = logging.getLogger("muloco")
+
+EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("device: cuda was asked for but no CUDA device is available; use device=auto or cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def prepare_run_dir(cfg: Config, write_config: bool = True) -> Path:
+    """Create `<output_dir>/<name>/` and write the resolved config.yaml into it (rank 0 only)."""
+    run_dir = Path(cfg.run.output_dir).expanduser() / cfg.run.name
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not write_config:
+            return run_dir
+        fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=run_dir)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(cfg.to_yaml())
+        os.replace(tmp, run_dir / "config.yaml")
+    except OSError as exc:
+        raise UserError(
+            f"run.output_dir: cannot write the run directory {run_dir} ({exc.strerror or exc}); "
+            "choose a writable run.output_dir"
+        ) from None
+    return run_dir
+
+
+class Trainer:
+    def __init__(self, cfg: Config, backend: Backend | None = None) -> None:
+        self.cfg = cfg
+        self.backend = backend or build_backend(cfg)
+        self.is_main = self.backend.rank == 0
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.device = resolve_device(cfg.device)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.run_dir = prepare_run_dir(cfg, write_config=self.is_main)
+        self._check_same_config_on_every_rank()
+        rank = self.backend.rank
+        self.checkpoint_dir = self.run_dir / "checkpoints" / ("" if rank == 0 else f"rank{rank}")
+
+        K, P = cfg.workers, self.backend.world_size
+        if K % P != 0:
+            raise UserError(
+                f"workers ({K}) must be divisible by the number of processes ({P}); change workers"
+            )
+        self.local_indices = list(range(self.backend.rank * (K // P), (self.backend.rank + 1) * (K // P)))
+
+        seq_len = cfg.model.seq_len
+        self.data = load_data(cfg.data, seq_len)
+        self.total_steps = cfg.total_steps
+        self.seqs_per_micro = (cfg.train.micro_batch_tokens or cfg.worker_batch_tokens) // seq_len
+        self.micro_batches = cfg.worker_batch_tokens // (self.seqs_per_micro * seq_len)
+        self.val_set = val_batches(self.data.val, seq_len, cfg.train.eval_tokens, self.seqs_per_micro)
+
+        # Every replica starts from the same seeded initialization (and stays identical to it until its
+        # first inner step), so no broadcast is needed in simulation.
+        torch.manual_seed(cfg.run.seed)
+        template = build_model(cfg.model, self.data.vocab_size)
+        # Every process must take part: rank 0's initialization goes to all, so every replica starts identical.
+        self.backend.broadcast([p.data for p in template.parameters()], src=0).wait()
+        self.num_params = sum(p.numel() for p in template.parameters())
+        self.offload = cfg.simulation.offload and self.device.type == "cuda"
+        home = torch.device("cpu") if self.offload else self.device
+        streams = [ReplicaStream(self.data.train, seq_len, r, K, cfg.run.seed) for r in self.local_indices]
+        if cfg.method == "dp":
+            # One model; the K workers' batches are its micro-batches, so the maths is K-worker DP.
+            model = template.to(self.device)
+            self.replicas = [
+                Replica(
+                    self.local_indices[0],
+                    model,
+                    build_inner_optimizer(model, cfg.inner),
+                    streams[0],
+                    self.device,
+                )
+            ]
+            self.dp_streams = streams
+            self.outer = None
+        else:
+            self.replicas = []
+            for index, stream in zip(self.local_indices, streams, strict=True):
+                model = copy.deepcopy(template).to(home)
+                self.replicas.append(
+                    Replica(index, model, build_inner_optimizer(model, cfg.inner), stream, self.device)
+                )
+            self.dp_streams = []
+            if cfg.compression.error_feedback and cfg.compression.scheme != "none":
+                for replica in self.replicas:
+                    replica.error_feedback = ErrorFeedback(cfg.compression.ef_decay, cfg.compression.ef_alpha)
+            outer_device = torch.device("cpu") if cfg.outer.offload == "cpu" else self.device
+            self.outer = OuterOptimizer(
+                list(template.named_parameters()),
+                cfg.outer.lr,
+                cfg.outer.momentum,
+                cfg.outer.nesterov,
+                outer_device,
+            )
+        self.autocast = self._autocast_factory()
+        self.codec = None
+        if cfg.method == "diloco" and cfg.compression.scheme != "none":
+            names = [name for name, _ in template.named_parameters()]
+            self.codec = PseudogradientCodec.from_config(names, param_roles(template), cfg.compression)
+        self.payload_bytes_last = None
+
+        # Counters that a checkpoint carries.
+        self.step = 0  # inner steps taken by every replica
+        self.outer_steps = 0
+        self.bytes_sent = 0.0  # per worker
+        self.elapsed_before = 0.0  # wall time of earlier sessions of this run (resume)
+        self.val_losses: list[tuple[int, float]] = []
+        self.stop_signal: int | None = None
+        self.resumed_from: Path | None = None
+        self._resume()
+
+    # -- set-up helpers -------------------------------------------------------------------------------
+    def _autocast_factory(self):
+        precision = self.cfg.train.precision
+        use_bf16 = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
+        if not use_bf16:
+            return contextlib.nullcontext
+        return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def _check_same_config_on_every_rank(self) -> None:
+        """A collective every rank calls first: ranks launched with different configs stop, all of them."""
+        if self.backend.world_size == 1:
+            return
+        mine = self.cfg.fingerprint()
+        fingerprints = [p.decode() for p in self.backend.all_gather_bytes(mine.encode()).wait()]
+        if len(set(fingerprints)) > 1:
+            raise UserError(
+                f"the config differs across ranks (fingerprints by rank: {', '.join(fingerprints)}); "
+                "start every rank with the same config file and KEY=VALUE overrides"
+            )
+
+    def _resume(self) -> None:
+        found = find_resume_state(self.cfg.checkpoint.resume, self.checkpoint_dir)
+        if self.backend.world_size > 1:
+            # Every rank must resume from the same step (collective: all ranks call it).
+            step = str(found[1]["step"] if found else -1).encode()
+            steps = [int(s) for s in self.backend.all_gather_bytes(step).wait()]
+            if len(set(steps)) > 1:
+                raise CheckpointError(
+                    f"ranks found checkpoints of different steps to resume from ({steps}); remove the newer "
+                    "ones so every rank has the same latest step, or set checkpoint.resume=never"
+                )
+        if found is None:
+            return
+        path, state = found
+        if state.get("fingerprint") != self.cfg.fingerprint():
+            raise CheckpointError(
+                f"checkpoint {path} was written with a different config; resume with the same config, "
+                "or pick a new run.name (or checkpoint.resume=never to start over)"
+            )
+        if state.get("local_indices") != self.local_indices:
+            raise CheckpointError(
+                f"checkpoint {path} holds replicas {state.get('local_indices')}, not {self.local_indices}"
+            )
+        for replica, replica_state in zip(self.replicas, state["replicas"], strict=True):
+            replica.load_state_dict(replica_state)
+        for stream, stream_state in zip(self.dp_streams, state["dp_streams"], strict=True):
+            stream.load_state_dict(stream_state)
+        if self.outer is not None:
+            self.outer.load_state_dict(state["outer"])
+        torch.set_rng_state(state["rng"])
+        self.step, self.outer_steps = state["step"], state["outer_steps"]
+        self.bytes_sent, self.elapsed_before = state["bytes_sent"], state["elapsed_s"]
+        self.val_losses = [tuple(v) for v in state["val_losses"]]
+        self.resumed_from = path
+        log.info("resumed checkpoint=%s step=%d outer_steps=%d", path, self.step, self.outer_steps)
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        wandb_run = start_wandb(cfg, self.run_dir) if cfg.logging.wandb and self.is_main else None
+        self.metrics = MetricsLogger(
+            self.run_dir / "metrics.jsonl",
+            self.total_steps,
+            cfg.logging.progress,
+            wandb_run,
+            resume_step=self.step if self.resumed_from else None,
+            enabled=self.is_main,
+        )
+        self.started = time.perf_counter()
+        self.train_time = 0.0
+        status = "failed"
+        previous_handlers = self._install_signal_handlers()
+        try:
+            self._log_start()
+            self.metrics.start(self.step)
+            if not self.val_losses:
+                self._evaluate()
+            next_eval = self._next_multiple(self.step, cfg.train.eval_every)
+            next_ckpt = self._next_multiple(self.outer_steps, cfg.checkpoint.every)
+            while self.step < self.total_steps and self.stop_signal is None:
+                t0 = time.perf_counter()
+                if cfg.method == "dp":
+                    self._dp_step()
+                else:
+                    self._diloco_round()
+                self.train_time += time.perf_counter() - t0
+                if self.step >= next_eval and self.step < self.total_steps:
+                    self._evaluate()
+                    next_eval = self._next_multiple(self.step, cfg.train.eval_every)
+                progress = self.step if cfg.method == "dp" else self.outer_steps
+                if progress >= next_ckpt and self.step < self.total_steps:
+                    self._save_checkpoint()
+                    next_ckpt = self._next_multiple(progress, cfg.checkpoint.every)
+            if self.val_losses[-1][0] != self.step and self.stop_signal is None:
+                self._evaluate()
+            self._save_checkpoint()
+            status = "completed" if self.stop_signal is None else "interrupted"
+        except KeyboardInterrupt:
+            status = "interrupted"  # a second Ctrl+C: leave at once, keep the last checkpoint
+            raise
+        finally:
+            self._restore_signal_handlers(previous_handlers)
+            self.metrics.close()
+            self.backend.close()
+            summary = self._write_summary(status)
+            if wandb_run is not None:
+                wandb_run.summary.update(
+                    {k: v for k, v in summary.items() if isinstance(v, int | float | str)}
+                )
+                wandb_run.finish()
+        return summary
+
+    def _diloco_round(self) -> None:
+        """One DiLoCo round: H inner steps on every replica, then one synchronization."""
+        cfg, K = self.cfg, self.cfg.workers
+        H = min(cfg.sync.every, self.total_steps - self.step)
+
+        # 1. Inner steps: each replica trains alone on its own data stream, H steps.
+        losses = []
+        with record_function("muloco::inner_steps"):
+            for replica in self.replicas:
+                self._activate(replica)
+                t0 = time.perf_counter()
+                for i in range(H):
+                    lr_mult = self._lr_multiplier(self.step + i)
+                    losses.append(
+                        replica.train_step(
+                            self.micro_batches,
+                            self.seqs_per_micro,
+                            lr_mult,
+                            cfg.train.grad_clip,
+                            self.autocast,
+                        )
+                    )
+                replica.compute_time_s += time.perf_counter() - t0
+        self.step += H
+
+        # 2. Pseudogradients delta_k = theta_global - theta_k. Uncompressed: summed over this process's
+        #    replicas. Compressed: each replica encodes its own message, exactly what a node would send.
+        #    The sum of unit vectors gives the mean pairwise cosine: sum_{j!=k} u_j.u_k = |sum u|^2 - k.
+        with record_function("muloco::pseudogradients"):
+            delta_sum = [torch.zeros_like(p) for p in self.outer.params] if self.codec is None else None
+            unit_sum = [torch.zeros_like(p) for p in self.outer.params]
+            norms, messages = [], []
+            for replica in self.replicas:
+                delta = replica.pseudogradient(self.outer.params)
+                norm = math.sqrt(sum(float(d.pow(2).sum()) for d in delta))
+                norms.append(norm)
+                for u, d in zip(unit_sum, delta, strict=True):
+                    u.add_(d, alpha=1.0 / max(norm, 1e-30))
+                if self.codec is None:
+                    for s_, d in zip(delta_sum, delta, strict=True):
+                        s_.add_(d)
+                else:
+                    messages.append(self.codec.encode(delta, replica.error_feedback))
+                del delta
+                self._deactivate(replica)
+
+        # 3. Reduce to the mean over all K replicas. Every process must call these collectives, in the
+        #    same order; the local backend returns at once.
+        with record_function("muloco::reduce"):
+            if self.codec is None:
+                # fp32: one all-reduce (sum) across processes, then / K.
+                delta_sum = self.backend.all_reduce_sum(delta_sum).wait()
+                avg_delta = [s_.div_(K) for s_ in delta_sum]
+                sent = ring_allreduce_bytes(4 * self.num_params, K)
+                payload_bytes = 4 * self.num_params
+            else:
+                # Compressed: all-gather every process's messages; every process decodes all of them in
+                # replica order and averages, so all processes hold the same mean.
+                blobs = self.backend.all_gather_bytes(pack(messages)).wait()
+                avg_delta = self.codec.decode_mean(blobs, K, self.outer.params)
+                payload_bytes = sum(len(m) for m in messages) / len(messages)
+                sent = ring_allgather_bytes(payload_bytes, K)
+        self.bytes_sent += sent
+        self.payload_bytes_last = payload_bytes
+
+        # 4. Outer Nesterov step on the fp32 global parameters.
+        with record_function("muloco::outer_step"):
+            update_norm = self.outer.step(avg_delta)
+        self.outer_steps += 1
+
+        # 5. Merge: every replica restarts from the new global parameters.
+        for replica in self.replicas:
+            replica.load_global(self.outer.params)
+
+        k_local = len(self.replicas)
+        cosine = (
+            (sum(float(u.pow(2).sum()) for u in unit_sum) - k_local) / (k_local * (k_local - 1))
+            if k_local > 1
+            else None
+        )
+        self._log(
+            "sync",
+            train_loss=sum(losses) / len(losses),
+            pseudograd_norm=sum(norms) / len(norms),
+            pseudograd_cosine=cosine,
+            outer_update_norm=update_norm,
+            outer_step=self.outer_steps,
+            payload_bytes=payload_bytes,
+            bits_per_param=round(8 * payload_bytes / self.num_params, 4),
+        )
+
+    def _dp_step(self) -> None:
+        """One data-parallel step: gradients averaged over the K workers' batches, one optimizer step."""
+        cfg, K = self.cfg, self.cfg.workers
+        replica = self.replicas[0]
+        set_lr_multiplier(replica.optimizer, self._lr_multiplier(self.step))
+        loss_sum = 0.0
+        with record_function("muloco::forward_backward"):
+            for stream in self.dp_streams:
+                batches = (stream.next_batch(self.seqs_per_micro) for _ in range(self.micro_batches))
+                loss_sum += forward_backward(
+                    replica.model, batches, 1.0 / (K * self.micro_batches), self.device, self.autocast
+                )
+        # Gradient all-reduce across processes (identity in one process); every process calls it each step.
+        grads = [p.grad for p in replica.model.parameters()]
+        self.backend.all_reduce_sum(grads).wait()
+        if cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(replica.model.parameters(), cfg.train.grad_clip)
+        replica.optimizer.step()
+        replica.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.bytes_sent += ring_allreduce_bytes(4 * self.num_params, K)
+        if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:
+            self._log("train", train_loss=loss_sum / (len(self.dp_streams) * self.micro_batches))
+
+    # -- helpers of the loop --------------------------------------------------------------------------
+    def _lr_multiplier(self, step: int) -> float:
+        t = self.cfg.train
+        return lr_multiplier(step, self.total_steps, t.warmup_steps, t.lr_schedule, t.min_lr_ratio)
+
+    @staticmethod
+    def _next_multiple(value: int, every: int) -> float:
+        return (value // every + 1) * every if every > 0 else math.inf
+
+    def _activate(self, replica: Replica) -> None:
+        if self.offload:
+            replica.move_to(self.device)
+
+    def _deactivate(self, replica: Replica) -> None:
+        if self.offload:
+            replica.move_to(torch.device("cpu"))
+
+    @torch.no_grad()
+    def _evaluate(self) -> None:
+        """Val loss of the global parameters (replica 0 holds them right after a merge, or the dp model)."""
+        model = self.replicas[0].model
+        self._activate(self.replicas[0])
+        model.eval()
+        losses = []
+        with record_function("muloco::eval"):
+            for x, y in self.val_set:
+                with self.autocast():
+                    losses.append(model(x.to(self.device), y.to(self.device)).item())
+        model.train()
+        self._deactivate(self.replicas[0])
+        val_loss = sum(losses) / len(losses)
+        self.val_losses.append((self.step, val_loss))
+        self._log("eval", val_loss=val_loss)
+
+    def _elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.started
+
+    def _log(self, kind: str, **values: Any) -> None:
+        tokens = self.step * self.cfg.train.batch_tokens
+        elapsed = self._elapsed()
+        record = {"kind": kind, "step": self.step, "tokens": tokens, "time_s": round(elapsed, 3), **values}
+        if kind != "eval":
+            record["bytes_sent"] = self.bytes_sent
+            record["tokens_per_s"] = round(tokens / elapsed, 1) if elapsed > 0 else None
+            done = self.step / self.total_steps
+            record["eta_s"] = round(elapsed * (1 - done) / done, 1) if done > 0 else None
+        self.metrics.log(record)
+
+    def _log_start(self) -> None:
+        cfg = self.cfg
+        replica = self.replicas[0]
+        log.info(
+            "run=%s dir=%s method=%s inner=%s workers=%d local_replicas=%d device=%s params=%d data=%s "
+            "steps=%d sync_every=%d micro_batches=%d",
+            cfg.run.name,
+            self.run_dir,
+            cfg.method,
+            cfg.inner.optimizer,
+            cfg.workers,
+            len(self.local_indices),
+            self.device,
+            self.num_params,
+            self.data.description,
+            self.total_steps,
+            cfg.sync.every,
+            self.micro_batches,
+        )
+        describe = getattr(replica.optimizer, "describe", None)
+        if describe is not None:
+            log.info("inner optimizer routing:\n%s", describe())
+        if cfg.simulation.offload and not self.offload:
+            log.info(
+                "simulation.offload has no effect on device=%s (replicas already live in host memory)",
+                self.device,
+            )
+
+    def _save_checkpoint(self) -> None:
+        state = {
+            "fingerprint": self.cfg.fingerprint(),
+            "local_indices": self.local_indices,
+            "step": self.step,
+            "outer_steps": self.outer_steps,
+            "bytes_sent": self.bytes_sent,
+            "elapsed_s": self._elapsed(),
+            "val_losses": [list(v) for v in self.val_losses],
+            "replicas": [r.state_dict() for r in self.replicas],
+            "dp_streams": [s.state_dict() for s in self.dp_streams],
+            "outer": self.outer.state_dict() if self.outer is not None else None,
+            "rng": torch.get_rng_state(),
+        }
+        with record_function("muloco::checkpoint"):
+            path = save_checkpoint(state, self.checkpoint_dir, self.step, self.cfg.checkpoint.keep)
+        log.info("checkpoint path=%s step=%d", path, self.step)
+
+    def _write_summary(self, status: str) -> dict[str, Any]:
+        cfg, K = self.cfg, self.cfg.workers
+        elapsed = self._elapsed()
+        tokens = self.step * cfg.train.batch_tokens
+        val = self.val_losses
+        summary = {
+            "run_name": cfg.run.name,
+            "method": cfg.method,
+            "inner_optimizer": cfg.inner.optimizer,
+            "workers": K,
+            "sync_every": cfg.sync.every if cfg.method == "diloco" else 1,
+            "bits": 32 if cfg.compression.scheme == "none" else cfg.compression.bits,
+            "compression": cfg.compression.scheme,
+            "final_val_loss": val[-1][1] if val else None,
+            "initial_val_loss": val[0][1] if val else None,
+            "best_val_loss": min(v for _, v in val) if val else None,
+            "tokens_seen": tokens,
+            "inner_steps": self.step,
+            "outer_steps": self.outer_steps,
+            "bytes_sent_per_worker": self.bytes_sent,
+            "bytes_ddp_equivalent": self.step * ring_allreduce_bytes(4 * self.num_params, K),
+            "payload_bytes_per_sync": self.payload_bytes_last,
+            "effective_bits_per_param": (
+                round(8 * self.payload_bytes_last / self.num_params, 4) if self.payload_bytes_last else None
+            ),
+            "error_feedback": cfg.compression.error_feedback and cfg.compression.scheme != "none",
+            "wall_time_s": round(elapsed, 3),
+            "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+            "train_tokens_per_s": round(tokens / self.train_time, 1)
+            if getattr(self, "train_time", 0) > 0
+            else None,
+            "replica_compute_s": [round(r.compute_time_s, 3) for r in self.replicas],
+            "params": self.num_params,
+            "device": str(self.device),
+            "config_fingerprint": self.cfg.fingerprint(),
+            "muloco_version": muloco.__version__,
+            "status": status,
+        }
+        if self.is_main:
+            write_json_atomic(self.run_dir / "summary.json", summary)
+        return summary
+
+    # -- signals: finish the current round/step, checkpoint, exit 130/143; a second Ctrl+C exits at once --
+    def _install_signal_handlers(self) -> dict | None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum, frame):
+            if self.stop_signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.stop_signal = signum
+            log.warning(
+                "signal=%s received: stopping after this round, writing a checkpoint",
+                signal.Signals(signum).name,
+            )
+
+        return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict | None) -> None:
+        for sig, handler in (previous or {}).items():
+            signal.signal(sig, handler)
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run one training job from a validated config; returns the summary (also written to summary.json)."""
+    return Trainer(cfg).run()

@@ -1,0 +1,120 @@
+"""torch.distributed backend (gloo, loopback): simulation == processes, the launcher's failure handling."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from muloco.checkpoint import list_checkpoints, load_checkpoint
+from muloco.config import load_config
+from muloco.launch import free_port
+from muloco.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+QS = str(ROOT / "configs/quickstart.yaml")
+pytestmark = pytest.mark.slow
+
+
+def launch(nproc, overrides, timeout=180):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "muloco", "launch", "--nproc", str(nproc), QS, *overrides],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def final_global_params(run_dir: Path):
+    state = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])
+    return state["outer"]["params"]
+
+
+def test_simulation_equals_4x1_and_2x2_processes(tmp_path, TINY):
+    common = [*TINY, "method=diloco", "workers=4", "train.batch_tokens=512", "train.total_tokens=3072", "sync.every=3",
+              f"run.output_dir={tmp_path}"]
+    sim = Trainer(load_config(QS, [*common, "run.name=sim"]))
+    sim.run()
+    expected = [p.clone() for p in sim.outer.params]
+    for nproc in (4, 2):
+        result = launch(nproc, [*common, f"run.name=p{nproc}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        got = final_global_params(tmp_path / f"p{nproc}")
+        assert len(got) == len(expected)
+        for a, b in zip(expected, got, strict=True):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a - b).abs().max()
+        summary = json.loads((tmp_path / f"p{nproc}" / "summary.json").read_text())
+        assert summary["outer_steps"] == 2 and summary["workers"] == 4
+    # Each rank kept its own replicas' state.
+    assert list_checkpoints(tmp_path / "p2" / "checkpoints" / "rank1")
+
+
+def test_dp_over_processes_equals_simulated_dp(tmp_path, TINY):
+    common = [*TINY, "method=dp", "workers=2", "train.batch_tokens=512", f"run.output_dir={tmp_path}"]
+    sim = Trainer(load_config(QS, [*common, "run.name=sim"]))
+    sim.run()
+    result = launch(2, [*common, "run.name=p2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = load_checkpoint(list_checkpoints(tmp_path / "p2" / "checkpoints")[-1])
+    for a, (name, b) in zip(sim.replicas[0].model.parameters(), state["replicas"][0]["model"].items(), strict=True):
+        assert torch.allclose(a.detach(), b, rtol=1e-5, atol=1e-6), name
+
+
+def test_mismatched_configs_across_ranks_stop_with_a_clear_message(tmp_path, TINY):
+    port = free_port()
+    procs = []
+    for rank, lr in ((0, "0.02"), (1, "0.03")):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "muloco", "train", QS, *TINY, f"inner.lr={lr}", f"run.output_dir={tmp_path}",
+             "backend.torch.timeout_s=60"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 2, err
+        assert "config differs across ranks" in err and "Traceback" not in err
+
+
+def test_killed_rank_stops_the_launcher_and_resume_completes(tmp_path, TINY):
+    overrides = [*TINY, "method=diloco", "workers=2", "train.batch_tokens=512", "train.total_tokens=200000",
+                 "sync.every=2", "checkpoint.every=1", "logging.progress=lines", "run.name=run", f"run.output_dir={tmp_path}",
+                 "backend.torch.timeout_s=60"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen([sys.executable, "-m", "muloco", "launch", "--nproc", "2", QS, *overrides],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        ckpt_dir = tmp_path / "run" / "checkpoints" / "rank1"
+        deadline = time.monotonic() + 90
+        while len(list_checkpoints(ckpt_dir)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        children = psutil.Process(launcher.pid).children(recursive=True)
+        ranks = [c for c in children if "train" in " ".join(c.cmdline())]
+        assert len(ranks) == 2
+        victim = next(c for c in ranks if c.environ().get("RANK") == "1")
+        victim.kill()
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+    assert launcher.returncode != 0 and "rank 1 exited" in err
+    time.sleep(0.5)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+    # The kill may have torn rank 1's newest checkpoint or left ranks at different steps: keep the newest
+    # step that both ranks hold and resume from it.
+    rank0 = {p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")}
+    rank1 = {p.name for p in list_checkpoints(ckpt_dir)}
+    common = sorted(rank0 & rank1)
+    for directory in (tmp_path / "run" / "checkpoints", ckpt_dir):
+        for path in list_checkpoints(directory):
+            if path.name > common[-2]:
+                path.unlink()
+    resumed = launch(2, overrides, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed checkpoint" in resumed.stderr
