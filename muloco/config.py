@@ -206,7 +206,7 @@ class CompressionConfig(Section):
         description="How pseudogradients travel: none (fp32), bf16, linear / statistical quantization "
         "(bits, granularity), topk (a fraction of entries).",
     )
-    bits: int = Field(8, description="Quantization bits: 1, 2, 4 or 8 (linear, statistical; topk values).")
+    bits: int = Field(8, description="Quantization bits of linear and statistical: 1, 2, 4 or 8.")
     granularity: Literal["tensor", "row", "block"] = Field(
         "row", description="One set of quantization statistics per tensor, per row, or per block."
     )
@@ -215,9 +215,9 @@ class CompressionConfig(Section):
         "absmax", description="linear: symmetric around 0 (absmax) or spanning [min, max] (minmax)."
     )
     stat_range: float | None = Field(
-        None, gt=0, description="statistical: range of +-r standard deviations; default: chosen per bits."
+        None, gt=0, le=1e4, description="statistical: range of +-r standard deviations; default: chosen per bits."
     )
-    topk_fraction: float = Field(0.01, gt=0, le=1, description="topk: fraction of entries kept per tensor.")
+    topk_fraction: float = Field(0.01, ge=2**-20, le=1, description="topk: fraction of entries kept per tensor.")
     topk_value_bits: int = Field(32, description="topk: bits of the kept values: 32 (fp32), 16 (bf16) or 8.")
     error_feedback: bool = Field(False, description="Error feedback: resend what quantization dropped.")
     ef_decay: float = Field(0.9, ge=0, le=1, description="Error-feedback decay: e = decay * e + delta.")

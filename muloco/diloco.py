@@ -8,6 +8,8 @@ torchft.local_sgd.DiLoCo).
         diloco.step()          # every sync_every calls: average pseudogradients, outer Nesterov step
 
 Each process holds one replica; the backend averages over processes (the local backend: one process, K = 1).
+`compression` is a `muloco.compress` compressor (applied to every parameter) or a `compression:` config
+section (`muloco.config.CompressionConfig`: skip rules and error feedback as in `muloco train`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from muloco.codec import PseudogradientCodec, pack
 from muloco.comm import Backend, LocalBackend
+from muloco.compress import Compressor, ErrorFeedback
+from muloco.config import CompressionConfig
+from muloco.models.roles import param_roles
 from muloco.outer import OuterOptimizer, pseudogradient
 
 
@@ -29,7 +35,7 @@ class DiLoCo:
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         backend: Backend | None = None,
-        compression: object | None = None,
+        compression: Compressor | CompressionConfig | None = None,
     ) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1 (H, inner steps between syncs), got {sync_every}")
@@ -37,8 +43,21 @@ class DiLoCo:
             raise ValueError(
                 f"need outer_lr > 0 and 0 <= outer_momentum < 1, got {outer_lr}, {outer_momentum}"
             )
-        if compression is not None:
-            raise ValueError("compression: pseudogradient compression is not available yet; pass None")
+        names = [name for name, _ in model.named_parameters()]
+        self.codec: PseudogradientCodec | None = None
+        self.error_feedback: ErrorFeedback | None = None
+        if isinstance(compression, CompressionConfig):
+            if compression.scheme != "none":
+                self.codec = PseudogradientCodec.from_config(names, param_roles(model), compression)
+                if compression.error_feedback:
+                    self.error_feedback = ErrorFeedback(compression.ef_decay, compression.ef_alpha)
+        elif isinstance(compression, Compressor):
+            self.codec = PseudogradientCodec(names, [compression] * len(names))
+        elif compression is not None:
+            raise ValueError(
+                "compression must be a muloco.compress compressor (get_compressor(...)) or a "
+                f"CompressionConfig, got {type(compression).__name__}"
+            )
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
@@ -68,9 +87,15 @@ class DiLoCo:
         parameters. Every process must call it the same number of times. Returns the update norm."""
         params = list(self.model.parameters())
         delta = pseudogradient(self.outer.params, params)
-        delta = self.backend.all_reduce_sum(delta).wait()
-        for d in delta:
-            d.div_(self.backend.world_size)
+        if self.codec is None:
+            delta = self.backend.all_reduce_sum(delta).wait()
+            for d in delta:
+                d.div_(self.backend.world_size)
+        else:
+            # Every process sends its encoded message and decodes everyone's, in rank order.
+            message = self.codec.encode(delta, self.error_feedback)
+            blobs = self.backend.all_gather_bytes(pack([message])).wait()
+            delta = self.codec.decode_mean(blobs, self.backend.world_size, self.outer.params)
         self.last_update_norm = self.outer.step(delta)
         for p, g in zip(params, self.outer.params, strict=True):
             p.copy_(g)

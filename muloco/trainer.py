@@ -113,7 +113,7 @@ class Trainer:
         # first inner step), so no broadcast is needed in simulation.
         torch.manual_seed(cfg.run.seed)
         template = build_model(cfg.model, self.data.vocab_size)
-        # Every process must take part: rank 0's initialization goes to all, so every replica starts identical.
+        # Every process must take part: rank 0's initial weights go to all, so all replicas start identical.
         self.backend.broadcast([p.data for p in template.parameters()], src=0).wait()
         self.num_params = sum(p.numel() for p in template.parameters())
         self.offload = cfg.simulation.offload and self.device.type == "cuda"

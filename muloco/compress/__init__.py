@@ -3,7 +3,7 @@
 Map of the package (arrows point down only):
     compressors.py     Compressor classes (none, bf16, linear, statistical, topk), get_compressor,
                        get_compressor_from_config, decode(any payload)
-    error_feedback.py  ErrorFeedback: per-replica residual buffers, e = decay * e + delta; e -= alpha * deQ(Q(e))
+    error_feedback.py  ErrorFeedback: per-replica residuals, e = decay * e + delta; e -= alpha * deQ(Q(e))
       -> quantize.py   pure functions: group statistics, codes, lookup tables, dequantization
       -> topk.py       pure functions: top-k selection, delta-coded indices
       -> packing.py    pure functions: dense bit packing of 1/2/4/8-bit codes and n-bit integers

@@ -34,6 +34,7 @@ from muloco.compress.wire import (
     MAX_NDIM,
     MAX_NUMEL,
     SCHEMES,
+    TOPK_MAX_EXPANSION,
     Header,
     assemble,
     body_layout,
@@ -41,6 +42,7 @@ from muloco.compress.wire import (
 )
 
 QUANT_BITS = (1, 2, 4, 8)
+MIN_TOPK_FRACTION = 1.0 / TOPK_MAX_EXPANSION
 TOPK_VALUE_BITS = (8, 16, 32)
 
 
@@ -54,9 +56,10 @@ class Compressor(ABC):
 
     def decode(self, payload: bytes) -> torch.Tensor:
         """Validate `payload` (raises CompressionError), check it matches this compressor, decode it."""
-        h, body = parse(payload)
-        self._check_header(h)
-        return _decode_body(h, body)
+        with torch.profiler.record_function("muloco::compress::decode"):
+            h, body = parse(payload)
+            self._check_header(h)
+            return _decode_body(h, body)
 
     def _check_header(self, h: Header) -> None:
         mine = self._header_fields()
@@ -102,7 +105,8 @@ def _prepare(tensor) -> tuple[torch.Tensor, torch.dtype]:
         raise CompressionError(f"encode expects a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in DTYPES:
         raise CompressionError(
-            f"encode expects a floating-point tensor (float32, bfloat16, float16, float64), got {tensor.dtype}"
+            f"encode expects a floating-point tensor (float32, bfloat16, float16, float64), "
+            f"got {tensor.dtype}"
         )
     if tensor.dim() > MAX_NDIM:
         raise CompressionError(f"encode supports tensors of at most {MAX_NDIM} dims, got {tensor.dim()}")
@@ -433,8 +437,9 @@ def _check_stat_range(stat_range) -> None:
 
 
 def _check_fraction(fraction) -> None:
-    if not (_is_number(fraction) and 0 < fraction <= 1):
-        raise ValueError(f"topk_fraction must be in (0, 1], got {fraction!r}")
+    # >= 2**-20: a legitimate payload then always passes the wire's top-k expansion bound (k + 1) * 2**20.
+    if not (_is_number(fraction) and MIN_TOPK_FRACTION <= fraction <= 1):
+        raise ValueError(f"topk_fraction must be in [{MIN_TOPK_FRACTION:.3g}, 1], got {fraction!r}")
 
 
 def get_compressor(

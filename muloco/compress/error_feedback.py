@@ -10,7 +10,7 @@ SignSGD and other Gradient Compression Schemes"):
 
 With decay = alpha = 1 the buffer is exactly the running difference between what was meant and what was
 sent: sum_t delta_t - sum_t deQ(payload_t) = e_T. decay < 1 forgets stale residue (the paper uses 0.9).
-The subtraction uses `deQ(payload)`, the very bytes the receiver decodes, so both sides agree on what was sent.
+The subtraction uses `deQ(payload)`, the very bytes the receiver decodes: both sides agree on what was sent.
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ class ErrorFeedback:
         self.buffers: dict[str, torch.Tensor] = {}
 
     def encode(self, name: str, delta: torch.Tensor, compressor: Compressor) -> bytes:
-        """Fold `delta` into the buffer of `name`, compress the buffer, keep the residual; return the payload."""
+        """Fold `delta` into the buffer of `name`, compress it, keep the residual; return the payload."""
         e = self.buffers.get(name)
         if e is None:
             e = self.buffers[name] = delta.detach().float().clone()  # decay * 0 + delta
         else:
             if e.shape != delta.shape:
                 raise ValueError(
-                    f"error feedback buffer {name!r} has shape {tuple(e.shape)}, the delta {tuple(delta.shape)}: "
+                    f"error feedback buffer {name!r} has shape {tuple(e.shape)}, "
+                    f"the delta {tuple(delta.shape)}: "
                     "was the model changed since the buffer (or checkpoint) was made?"
                 )
             e.mul_(self.decay).add_(delta.detach().to(e.device, torch.float32))

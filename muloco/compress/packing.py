@@ -49,8 +49,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(n, bits), f"{packed.shape=} {n=}"
     if bits == 8:
         return packed.reshape(-1)
-    per = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)  # (per,)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)  # (8 // bits,)
     codes = (packed.reshape(-1, 1) >> shifts) & ((1 << bits) - 1)  # (m, per)
     return codes.reshape(-1)[:n]
 

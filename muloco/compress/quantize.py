@@ -219,6 +219,47 @@ def _row_chunks(seg: Segment, chunk: int):
             yield r, min(r + per, seg.rows), 0, seg.length
 
 
+class _BinStats:
+    """Per-bin sums of u and counts of codes over a whole tensor, added chunk by chunk.
+
+    torch.bincount is a serial loop on the CPU; there its two calls per chunk run on the worker pool and
+    overlap the next chunk's (parallel) elementwise ops. Each call sums one chunk in fp32; chunks are
+    added in fp64, which keeps the centroids accurate for any tensor size.
+    """
+
+    def __init__(self, levels: int, device: torch.device):
+        self.levels = levels
+        self.sum = torch.zeros(levels, dtype=torch.float64, device=device)
+        self.count = torch.zeros(levels, dtype=torch.int64, device=device)
+        threaded = device.type == "cpu" and torch.get_num_threads() > 1
+        self.pool = _pool() if threaded else None
+        self.pending: dict[int, tuple] = {}  # u buffer -> (sum job, count job)
+
+    def add(self, buffer: int, codes: torch.Tensor, u: torch.Tensor) -> None:
+        if self.pool is None:
+            self.sum += torch.bincount(codes, weights=u, minlength=self.levels)
+            self.count += torch.bincount(codes, minlength=self.levels)
+            return
+        self.pending[buffer] = (
+            self.pool.submit(torch.bincount, codes, u, self.levels),
+            self.pool.submit(torch.bincount, codes, None, self.levels),
+        )
+
+    def release(self, buffer: int) -> None:
+        """Wait until the jobs reading `buffer` are done (before it is overwritten)."""
+        jobs = self.pending.pop(buffer, None)
+        if jobs is not None:
+            self.sum += jobs[0].result()
+            self.count += jobs[1].result()
+
+    def centroids(self) -> torch.Tensor:
+        """(levels,) fp32: the mean u of each bin; an empty bin gets its centre."""
+        for buffer in list(self.pending):
+            self.release(buffer)
+        centre = torch.arange(self.levels, dtype=torch.float64, device=self.sum.device) + 0.5
+        return torch.where(self.count > 0, self.sum / self.count.clamp(min=1), centre).float()
+
+
 def quantize(
     x: torch.Tensor,
     bits: int,
@@ -234,11 +275,12 @@ def quantize(
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
     chunk = CPU_CHUNK if x.device.type == "cpu" else 1 << 22
     r = DEFAULT_STAT_RANGE[bits] if stat_range is None else stat_range
-    bin_sum = torch.zeros(levels, dtype=torch.float64, device=x.device)
-    bin_count = torch.zeros(levels, dtype=torch.int64, device=x.device)
+    bins = _BinStats(levels, x.device) if kind == "statistical" else None
     steps, offsets = [], []
-    u_buf = torch.empty(min(n, chunk), dtype=torch.float32, device=x.device)  # reused by every chunk
-    f_buf = torch.empty_like(u_buf) if kind == "statistical" else None
+    # Two u buffers, alternating: the bin statistics of one chunk may still be reading one of them.
+    u_bufs = [torch.empty(min(n, chunk), dtype=torch.float32, device=x.device) for _ in range(2)]
+    f_buf = torch.empty_like(u_bufs[0]) if kind == "statistical" else None
+    i = 0
     for seg in segments(tuple(x.shape), granularity, block_size):
         x2d = flat[seg.start : seg.start + seg.numel].view(seg.rows, seg.length)
         if kind == "statistical":
@@ -252,8 +294,11 @@ def quantize(
         c2d = codes[seg.start : seg.start + seg.numel].view(seg.rows, seg.length)
         for r0, r1, c0, c1 in _row_chunks(seg, chunk):
             xs = x2d[r0:r1, c0:c1]  # (g, w)
-            m = xs.numel()
-            u = u_buf[:m].view(xs.shape)
+            m, b = xs.numel(), i % 2
+            i += 1
+            if bins is not None:
+                bins.release(b)
+            u = u_bufs[b][:m].view(xs.shape)
             torch.mul(xs, inv[r0:r1, None], out=u)
             u.add_(shift[r0:r1, None])  # u = (x - offset) / step, in bin units
             # code = floor(u) clamped to [0, levels - 1]: clamp to [0, levels - 0.5], then the float -> uint8
@@ -262,15 +307,11 @@ def quantize(
             if kind == "statistical":
                 f = f_buf[:m].view(xs.shape)
                 cs.copy_(torch.clamp(u, 0, levels - 0.5, out=f))
-                # bin centroids from the unclamped u: fp32 sums over one chunk, accumulated in fp64
-                cflat = cs.reshape(-1)
-                bin_sum += torch.bincount(cflat, weights=u.view(-1), minlength=levels)
-                bin_count += torch.bincount(cflat, minlength=levels)
+                bins.add(b, cs.reshape(-1), u.view(-1))  # centroids from the unclamped u
             else:
                 cs.copy_(u.clamp_(0, levels - 0.5))
-    if kind == "statistical":
-        centre = torch.arange(levels, dtype=torch.float64, device=x.device) + 0.5
-        lut = torch.where(bin_count > 0, bin_sum / bin_count.clamp(min=1), centre).float()
+    if bins is not None:
+        lut = bins.centroids()
     else:
         lut = linear_lut(bits, kind).to(x.device)
     empty_f32 = torch.empty(0, dtype=torch.float32, device=x.device)
@@ -294,24 +335,32 @@ def byte_table(lut: torch.Tensor, bits: int) -> np.ndarray:
 _POOL: tuple[int, ThreadPoolExecutor] | None = None  # (threads, pool), made on first use
 
 
+def _pool() -> ThreadPoolExecutor:
+    """Worker threads for the serial CPU steps (np.take, torch.bincount release the GIL), one per torch
+    intra-op thread."""
+    global _POOL
+    threads = torch.get_num_threads()
+    if _POOL is None or _POOL[0] != threads:
+        _POOL = (threads, ThreadPoolExecutor(threads, thread_name_prefix="muloco-compress"))
+    return _POOL[1]
+
+
 def _parallel_take(table: np.ndarray, packed: np.ndarray, out: np.ndarray) -> None:
     """out[i] = table[packed[i]], split over torch's intra-op thread count (np.take releases the GIL).
 
     mode="clip": every uint8 is a valid row of the 256-row table, and numpy buffers `out` in the default
     mode="raise". Most of the time is first-touch page faults on the fresh output, which threads share.
     """
-    global _POOL
     threads = torch.get_num_threads()
     parts = min(4 * threads, packed.size // (1 << 18))
     if threads <= 1 or parts <= 1:
         np.take(table, packed, axis=0, out=out, mode="clip")
         return
-    if _POOL is None or _POOL[0] != threads:
-        _POOL = (threads, ThreadPoolExecutor(threads, thread_name_prefix="muloco-decode"))
+    pool = _pool()
     bounds = np.linspace(0, packed.size, parts + 1).astype(np.int64)
     jobs = [
-        _POOL[1].submit(np.take, table, packed[a:b], 0, out[a:b], "clip")
-        for a, b in zip(bounds[:-1], bounds[1:])
+        pool.submit(np.take, table, packed[a:b], 0, out[a:b], "clip")
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
     ]
     for job in jobs:
         job.result()

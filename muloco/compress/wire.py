@@ -20,7 +20,8 @@ Every payload is self-describing and validated before anything is allocated from
     end-4   4  u32   CRC32 (zlib) of everything before it
 
 All integers are little-endian. The body size is a pure function of the header fields, so a payload whose
-length does not match its header (truncated, trailing bytes, absurd sizes) is rejected before its body is read.
+length does not match its header (truncated, trailing bytes, absurd sizes) is rejected before its body is
+read.
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ def uses_gram(rows: int, cols: int, method: Method = "auto") -> bool:
 
     auto: when the long side is >= 2x the short side. FLOP model for a block of 2 steps on an (n, m)
     matrix, in n^3-matmul units with r = m/n: standard 4r + 2, Gram 2r + 5, so Gram wins for r > 1.5
-    (10% at r = 2, 17% at 3, 22% at 4 over 5 steps with the final single standard step).
+    (over 5 steps, blocks of 2, 2, 1: 6r + 11 vs 10r + 5, i.e. -8% at r = 2, -17% at 3, -22% at 4).
     """
     if method == "auto":
         return max(rows, cols) >= 2 * min(rows, cols)

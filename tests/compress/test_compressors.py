@@ -42,6 +42,7 @@ ALL_IDS = [f"{s}-{kw}" for s, kw in ALL]
         ({"scheme": "statistical", "stat_range": float("nan")}, "stat_range"),
         ({"scheme": "topk", "topk_fraction": 0.0}, "topk_fraction"),
         ({"scheme": "topk", "topk_fraction": 1.5}, "topk_fraction"),
+        ({"scheme": "topk", "topk_fraction": 1e-7}, "topk_fraction"),
         ({"scheme": "topk", "topk_value_bits": 4}, "topk_value_bits"),
     ],
 )

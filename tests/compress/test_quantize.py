@@ -1,13 +1,14 @@
 """Round-trip error bounds of the quantizers, derived per scheme, checked over many shapes and values.
 
 Bounds (step = the group's bf16 step, which is the fp32 statistic rounded *up* by at most 2**-7 relative):
-- linear absmax, bits >= 2: step <= absmax / (2**(b-1) - 1) * (1 + 2**-7); 1 bit: step <= absmax * (1 + 2**-7);
-  every element: |x - x_hat| <= step / 2.
+- linear absmax, bits >= 2: step <= absmax / (2**(b-1) - 1) * (1 + 2**-7); 1 bit: step <= absmax *
+  (1 + 2**-7); every element: |x - x_hat| <= step / 2.
 - linear minmax: step <= (max - min) / (2**b - 1) * (1 + 2**-7); every element: |x - x_hat| <= step / 2.
 - statistical: step = 2 r std / 2**b (rounded up); elements within r std - step of the mean land in an
   interior bin and decode to a centroid inside it: |x - x_hat| <= step. (The two outer bins also hold the
-  clipped values, so their centroids may lie outside the bin: no per-element bound there.) The centroid table makes the quantizer
-  unbiased per bin: for each code, sum((x - x_hat) / step) = 0 over the elements with that code.
+  clipped values, so their centroids may lie outside the bin: no per-element bound there.) The centroid
+  table makes the quantizer unbiased per bin: for each code, sum((x - x_hat) / step) = 0 over the elements
+  with that code.
 fp32 arithmetic adds a relative slop of ~1e-6 of the values' magnitude, allowed for below.
 """
 
@@ -54,7 +55,9 @@ shapes = st.one_of(
 @st.composite
 def tensors(draw):
     shape = draw(shapes)
-    kind = draw(st.sampled_from(["normal", "huge_range", "zeros", "constant_rows", "outliers", "tiny", "big"]))
+    kind = draw(
+        st.sampled_from(["normal", "huge_range", "zeros", "constant_rows", "outliers", "tiny", "big"])
+    )
     seed = draw(st.integers(0, 2**16))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g)
@@ -63,7 +66,9 @@ def tensors(draw):
     elif kind == "zeros":
         x = torch.zeros(shape)
     elif kind == "constant_rows":
-        x = torch.zeros(shape) + (torch.randn(shape[:1] + (1,) * (len(shape) - 1), generator=g) if shape else 3.0)
+        x = torch.zeros(shape) + (
+            torch.randn(shape[:1] + (1,) * (len(shape) - 1), generator=g) if shape else 3.0
+        )
     elif kind == "outliers":
         x = torch.where(torch.rand(shape, generator=g) < 0.05, x * 1000, x)
     elif kind == "tiny":
@@ -82,7 +87,7 @@ block_size = st.sampled_from([1, 3, 8, 256])
 def test_linear_absmax_error_at_most_half_a_step(x, bits, gran, bs):
     y = roundtrip(get_compressor("linear", bits, gran, bs, "absmax"), x)
     qmax = 1 if bits == 1 else 2 ** (bits - 1) - 1
-    for xg, yg in zip(groups(x, gran, bs), groups(y, gran, bs)):
+    for xg, yg in zip(groups(x, gran, bs), groups(y, gran, bs), strict=True):
         absmax = xg.abs().max().item()
         bound = absmax / qmax * BF16_UP / 2 * (1 + SLOP) + SLOP * absmax
         assert (xg - yg).abs().max().item() <= bound
@@ -92,7 +97,7 @@ def test_linear_absmax_error_at_most_half_a_step(x, bits, gran, bs):
 @given(x=tensors(), bits=st.sampled_from([1, 2, 4, 8]), gran=granularity, bs=block_size)
 def test_linear_minmax_error_at_most_half_a_step(x, bits, gran, bs):
     y = roundtrip(get_compressor("linear", bits, gran, bs, "minmax"), x)
-    for xg, yg in zip(groups(x, gran, bs), groups(y, gran, bs)):
+    for xg, yg in zip(groups(x, gran, bs), groups(y, gran, bs), strict=True):
         lo, hi = xg.min().item(), xg.max().item()
         bound = (hi - lo) / (2**bits - 1) * BF16_UP / 2 * (1 + SLOP) + SLOP * max(abs(lo), abs(hi))
         assert (xg - yg).abs().max().item() <= bound
@@ -104,7 +109,7 @@ def test_statistical_in_range_error_at_most_one_step(x, bits, gran, bs):
     comp = get_compressor("statistical", bits, gran, bs)
     y = roundtrip(comp, x)
     r = comp.stat_range
-    for xg, yg in zip(groups(x, gran, bs), groups(y, gran, bs)):
+    for xg, yg in zip(groups(x, gran, bs), groups(y, gran, bs), strict=True):
         xd = xg.double()
         mean, std = xd.mean().item(), xd.std(correction=0).item()
         scale = xd.abs().max().item()
@@ -128,7 +133,7 @@ def test_statistical_centroids_are_unbiased_per_bin(bits, gran):
     steps = torch.cat(
         [q.steps.float()[i : i + s.rows].repeat_interleave(s.length) for i, s in _starts(x, gran, 64)]
     )
-    resid = ((x - y).reshape(-1).double() / steps.double())  # in units of step
+    resid = (x - y).reshape(-1).double() / steps.double()  # in units of step
     for code in range(2**bits):
         sel = q.codes == code
         if sel.any():
@@ -195,3 +200,20 @@ def test_block_tail_and_one_element_tensors():
             y = roundtrip(get_compressor("statistical", 8, gran, 256), x)
             assert torch.allclose(y, x, atol=0.05 * max(1.0, x.abs().max().item()))
     assert math.prod(()) == 1
+
+
+@pytest.mark.parametrize("bits", [8, 2])
+def test_threaded_paths_match_the_serial_ones(monkeypatch, bits):
+    """With >1 torch thread, bin statistics run on a worker pool and decoding splits its table lookups; the
+    bytes and the decoded tensor must not depend on it (chunks are still added in order)."""
+    import muloco.compress.quantize as q
+
+    monkeypatch.setattr(q, "CPU_CHUNK", 4096)  # many chunks
+    x = torch.randn(1024, 600, generator=torch.Generator().manual_seed(5))
+    comp = get_compressor("statistical", bits)
+    serial = comp.encode(x)
+    y_serial = comp.decode(serial)
+    torch.set_num_threads(2)  # the autouse fixture sets it back to 1 for the next test
+    threaded = comp.encode(x)
+    assert threaded == serial
+    assert torch.equal(comp.decode(threaded), y_serial)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muloco.compress import get_compressor, read_header
-from muloco.compress.topk import decode_indices, encode_indices, topk_count
+from muloco.compress.topk import decode_indices, encode_indices, select_topk, topk_count
 
 
 def test_topk_count():
@@ -50,7 +50,7 @@ def test_index_coding_roundtrip(n, data):
     idx = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=min(n, 200))))
     t = torch.tensor(idx)
     width, packed = encode_indices(t)
-    assert width == max(1, max(b - a - 1 for a, b in zip([-1, *idx], idx)).bit_length())
+    assert width == max(1, max(b - a - 1 for a, b in zip([-1, *idx], idx, strict=False)).bit_length())
     assert decode_indices(packed, width, len(idx), n).tolist() == idx
 
 
@@ -70,3 +70,17 @@ def test_all_zeros_and_ties(value_bits):
     comp = get_compressor("topk", topk_fraction=0.1, topk_value_bits=value_bits)
     assert comp.decode(comp.encode(torch.zeros(50))).eq(0).all()
     assert comp.decode(comp.encode(torch.ones(50))).sum().item() == pytest.approx(5, rel=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["random", "clustered", "ties"])
+def test_sampled_threshold_path_is_exact(layout):
+    """Large tensors take the sampled-threshold path: it must select exactly the k largest magnitudes."""
+    n, k = 1 << 18, 2000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    if layout == "clustered":
+        x[:3000] *= 100  # the big values sit where a strided sample barely looks
+    elif layout == "ties":
+        x = torch.randint(-3, 4, (n,), generator=torch.Generator().manual_seed(3)).float()
+    idx, vals = select_topk(x, k)
+    assert idx.numel() == k and bool((idx.diff() > 0).all()) and torch.equal(vals, x[idx])
+    assert torch.equal(vals.abs().sort().values, x.abs().topk(k).values.sort().values)

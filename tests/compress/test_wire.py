@@ -75,7 +75,7 @@ def test_header_fields_are_validated_before_the_crc():
         "groups": (16, struct.pack("<Q", 4), "groups"),
         "body size": (24, struct.pack("<Q", 10**6), "body"),
     }
-    for name, (offset, value, match) in cases.items():
+    for offset, value, match in cases.values():
         tampered = bytearray(body)
         tampered[offset : offset + len(value)] = value
         with pytest.raises(CompressionError, match=match):
