@@ -26,6 +26,9 @@ from muloco.optim.muon import Muon
 from muloco.optim.newton_schulz import KELLER, resolve_coefficients
 from muloco.optim.routing import Named, format_routing, muon_param_groups
 
+# inner.ns_dtype -> the Newton-Schulz iteration's dtype (None: bf16 on CUDA and on CPUs with native bf16).
+_NS_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
+
 # inner.adjust_lr -> torch.optim.Muon's adjust_lr_fn; torch has no spectral scaling.
 _TORCH_ADJUST_LR = {"original": "original", "match_rms_adamw": "match_rms_adamw"}
 
@@ -174,6 +177,7 @@ def build_inner_optimizer(model: nn.Module, inner: InnerConfig) -> InnerOptimize
                 ns_steps=inner.ns_steps,
                 ns_coefficients=inner.ns_coefficients,
                 adjust_lr=inner.adjust_lr,
+                ns_dtype=_NS_DTYPES[inner.ns_dtype],
             )
             muon.param_groups[0]["name"] = "muon"
             optimizers.append(muon)
