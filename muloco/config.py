@@ -155,7 +155,7 @@ class InnerConfig(Section):
     )
     ns_dtype: Literal["auto", "fp32", "bf16"] = Field(
         "auto",
-        description="Newton-Schulz dtype. auto: bf16 on CUDA and on CPUs with native bf16 (measured 2x faster "
+        description="Newton-Schulz dtype. auto: bf16 on CUDA and on CPUs with native bf16 (2x faster "
         "here), else fp32; fp32 makes runs reproducible across layouts to ~1e-6.",
     )
     adjust_lr: Literal["spectral", "original", "match_rms_adamw"] = Field(
