@@ -248,7 +248,7 @@ class Trainer:
                 self._evaluate()
             next_eval = self._next_multiple(self.step, cfg.train.eval_every)
             next_ckpt = self._next_multiple(self.outer_steps, cfg.checkpoint.every)
-            while self.step < self.total_steps and self.stop_signal is None:
+            while self.step < self.total_steps and not self._stop_requested():
                 t0 = time.perf_counter()
                 if cfg.method == "dp":
                     self._dp_step()
@@ -397,6 +397,17 @@ class Trainer:
             self._log("train", train_loss=loss_sum / (len(self.dp_streams) * self.micro_batches))
 
     # -- helpers of the loop --------------------------------------------------------------------------
+    def _stop_requested(self) -> bool:
+        """Whether any rank got SIGINT/SIGTERM. With several processes this is a collective (every rank
+        calls it once per round), so all ranks stop after the same round rather than one waiting forever."""
+        if self.backend.world_size == 1:
+            return self.stop_signal is not None
+        flag = torch.tensor([0.0 if self.stop_signal is None else float(self.stop_signal)])
+        flag = self.backend.all_reduce_sum([flag]).wait()[0]
+        if flag.item() > 0 and self.stop_signal is None:
+            self.stop_signal = signal.SIGTERM  # another rank was told to stop
+        return flag.item() > 0
+
     def _lr_multiplier(self, step: int) -> float:
         t = self.cfg.train
         return lr_multiplier(step, self.total_steps, t.warmup_steps, t.lr_schedule, t.min_lr_ratio)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -152,6 +153,7 @@ def test_killed_rank_stops_the_launcher_and_resume_completes(tmp_path, TINY):
         "train.total_tokens=200000",
         "sync.every=2",
         "checkpoint.every=1",
+        "checkpoint.keep=1000",
         "logging.progress=lines",
         "run.name=run",
         f"run.output_dir={tmp_path}",
@@ -182,15 +184,52 @@ def test_killed_rank_stops_the_launcher_and_resume_completes(tmp_path, TINY):
     assert launcher.returncode != 0 and "rank 1 exited" in err
     time.sleep(0.5)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
-    # The kill may have torn rank 1's newest checkpoint or left ranks at different steps: keep the newest
-    # step that both ranks hold and resume from it.
+    # Writes are atomic, so no checkpoint is torn, but the ranks may stand at different steps: keep the
+    # newest step that both ranks hold and resume from it.
     rank0 = {p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")}
     rank1 = {p.name for p in list_checkpoints(ckpt_dir)}
     common = sorted(rank0 & rank1)
     for directory in (tmp_path / "run" / "checkpoints", ckpt_dir):
         for path in list_checkpoints(directory):
-            if path.name > common[-2]:
+            if path.name > common[-1]:
                 path.unlink()
     resumed = launch(2, overrides, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed checkpoint" in resumed.stderr
+
+
+def test_launcher_forwards_sigint_and_every_rank_checkpoints(tmp_path, TINY):
+    overrides = [
+        *TINY,
+        "method=diloco",
+        "workers=2",
+        "train.batch_tokens=512",
+        "train.total_tokens=400000",
+        "sync.every=2",
+        "logging.progress=lines",
+        "run.name=run",
+        f"run.output_dir={tmp_path}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "muloco", "launch", "--nproc", "2", QS, *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        line = launcher.stdout.readline()  # rank 0's first eval line: training has started
+        assert line.startswith("[rank 0] kind=eval"), line
+        time.sleep(1.0)
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+    assert launcher.returncode == 130, err[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert list_checkpoints(tmp_path / "run" / "checkpoints") and list_checkpoints(
+        tmp_path / "run" / "checkpoints" / "rank1"
+    )
