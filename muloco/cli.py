@@ -3,6 +3,8 @@
     muloco train CONFIG [KEY=VALUE ...]     one run
     muloco launch --nproc N CONFIG [...]    N local processes (torch.distributed, gloo/nccl)
     muloco config CONFIG [KEY=VALUE ...]    print the resolved, validated config
+    muloco sweep SWEEP.yaml [--jobs J]      a grid of runs, resumable; writes summary.csv, report.md, plots
+    muloco report DIR                       tables and plots from finished run directories
 
 Bad input exits with code 2 and one line naming the field or file and the fix; never a traceback.
 """
@@ -33,6 +35,14 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--backend", choices=["torch"], default="torch", help="backend of the processes")
     launch.add_argument("config", metavar="CONFIG", help="YAML config file")
     launch.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    sweep = sub.add_parser("sweep", help="run a grid of runs from a sweep file (resumable), then report")
+    sweep.add_argument("sweep_file", metavar="SWEEP.yaml", help="sweep file (docs/sweeps.md)")
+    sweep.add_argument("--jobs", type=int, default=1, help="runs at once; CPU threads are divided among them")
+    sweep.add_argument(
+        "--dry-run", action="store_true", help="list the runs and their overrides, run nothing"
+    )
+    report = sub.add_parser("report", help="summary.csv, report.md and plots from the run dirs under DIR")
+    report.add_argument("directory", metavar="DIR", help="a sweep directory, or any directory of run dirs")
     return parser
 
 
@@ -76,10 +86,31 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(args.nproc, args.config, args.overrides, args.backend)
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from muloco.sweep import sweep_main
+
+    return sweep_main(args.sweep_file, jobs=args.jobs, dry_run=args.dry_run)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from muloco.report import build_report
+
+    outputs = build_report(args.directory)
+    for path in outputs.values():
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging()
-    commands = {"train": cmd_train, "config": cmd_config, "launch": cmd_launch}
+    commands = {
+        "train": cmd_train,
+        "config": cmd_config,
+        "launch": cmd_launch,
+        "sweep": cmd_sweep,
+        "report": cmd_report,
+    }
     try:
         return commands[args.command](args)
     except UserError as exc:

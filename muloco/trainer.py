@@ -109,55 +109,22 @@ class Trainer:
         self.micro_batches = cfg.worker_batch_tokens // (self.seqs_per_micro * seq_len)
         self.val_set = val_batches(self.data.val, seq_len, cfg.train.eval_tokens, self.seqs_per_micro)
 
-        # Every replica starts from the same seeded initialization (and stays identical to it until its
-        # first inner step), so no broadcast is needed in simulation.
+        # Every replica starts from the same seeded initialization; with several processes rank 0's weights
+        # are also broadcast (every process must take part), so all replicas start identical.
         torch.manual_seed(cfg.run.seed)
         template = build_model(cfg.model, self.data.vocab_size)
-        # Every process must take part: rank 0's initial weights go to all, so all replicas start identical.
         self.backend.broadcast([p.data for p in template.parameters()], src=0).wait()
         self.num_params = sum(p.numel() for p in template.parameters())
         self.offload = cfg.simulation.offload and self.device.type == "cuda"
-        home = torch.device("cpu") if self.offload else self.device
         streams = [ReplicaStream(self.data.train, seq_len, r, K, cfg.run.seed) for r in self.local_indices]
-        if cfg.method == "dp":
-            # One model; the K workers' batches are its micro-batches, so the maths is K-worker DP.
-            model = template.to(self.device)
-            self.replicas = [
-                Replica(
-                    self.local_indices[0],
-                    model,
-                    build_inner_optimizer(model, cfg.inner),
-                    streams[0],
-                    self.device,
-                )
-            ]
-            self.dp_streams = streams
-            self.outer = None
-        else:
-            self.replicas = []
-            for index, stream in zip(self.local_indices, streams, strict=True):
-                model = copy.deepcopy(template).to(home)
-                self.replicas.append(
-                    Replica(index, model, build_inner_optimizer(model, cfg.inner), stream, self.device)
-                )
-            self.dp_streams = []
-            if cfg.compression.error_feedback and cfg.compression.scheme != "none":
-                for replica in self.replicas:
-                    replica.error_feedback = ErrorFeedback(cfg.compression.ef_decay, cfg.compression.ef_alpha)
-            outer_device = torch.device("cpu") if cfg.outer.offload == "cpu" else self.device
-            self.outer = OuterOptimizer(
-                list(template.named_parameters()),
-                cfg.outer.lr,
-                cfg.outer.momentum,
-                cfg.outer.nesterov,
-                outer_device,
-            )
-        self.autocast = self._autocast_factory()
+        self.replicas, self.dp_streams = self._build_replicas(template, streams)
+        self.outer = self._build_outer(template) if cfg.method == "diloco" else None
         self.codec = None
         if cfg.method == "diloco" and cfg.compression.scheme != "none":
             names = [name for name, _ in template.named_parameters()]
             self.codec = PseudogradientCodec.from_config(names, param_roles(template), cfg.compression)
         self.payload_bytes_last = None
+        self.autocast = self._autocast_factory()
 
         # Counters that a checkpoint carries.
         self.step = 0  # inner steps taken by every replica
@@ -170,6 +137,33 @@ class Trainer:
         self._resume()
 
     # -- set-up helpers -------------------------------------------------------------------------------
+    def _build_replicas(self, template, streams) -> tuple[list[Replica], list]:
+        """DiLoCo: one replica (model copy + inner optimizer + stream) per local worker. DP: one model whose
+        micro-batches are the K workers' batches, so the maths is K-worker data parallelism."""
+        cfg = self.cfg
+        if cfg.method == "dp":
+            model = template.to(self.device)
+            replica = Replica(
+                self.local_indices[0], model, build_inner_optimizer(model, cfg.inner), streams[0], self.device
+            )
+            return [replica], streams
+        home = torch.device("cpu") if self.offload else self.device
+        replicas = []
+        for index, stream in zip(self.local_indices, streams, strict=True):
+            model = copy.deepcopy(template).to(home)
+            replica = Replica(index, model, build_inner_optimizer(model, cfg.inner), stream, self.device)
+            if cfg.compression.error_feedback and cfg.compression.scheme != "none":
+                replica.error_feedback = ErrorFeedback(cfg.compression.ef_decay, cfg.compression.ef_alpha)
+            replicas.append(replica)
+        return replicas, []
+
+    def _build_outer(self, template) -> OuterOptimizer:
+        outer = self.cfg.outer
+        device = torch.device("cpu") if outer.offload == "cpu" else self.device
+        return OuterOptimizer(
+            list(template.named_parameters()), outer.lr, outer.momentum, outer.nesterov, device
+        )
+
     def _autocast_factory(self):
         precision = self.cfg.train.precision
         use_bf16 = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")

@@ -3,7 +3,7 @@
 Each configuration runs in its own subprocess (so peak RSS is its own), in interleaved order, repeated
 `--repeats` times; the table reports the median training tokens/s (evals excluded) and the ratio to DP.
 
-    python experiments/benchmarks/bench_simulation.py --steps 60 --repeats 1
+    python experiments/benchmarks/bench_simulation.py --steps 30 --inner muon
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ BASE = [
     "train.eval_every=0",
     "train.eval_tokens=1024",
     "train.warmup_steps=5",
-    "sync.every=30",
+    "sync.every=15",
     "logging.progress=off",
     "checkpoint.every=0",
 ]
@@ -35,7 +35,8 @@ def cases(inner: str) -> list[tuple[str, list[str]]]:
     out = [("dp K=8", ["method=dp", "workers=8"])]
     for k in (1, 2, 4, 8):
         out.append((f"diloco K={k}", ["method=diloco", f"workers={k}"]))
-    out.append(("diloco K=8 offload", ["method=diloco", "workers=8", "simulation.offload=true"]))
+    for k in (1, 8):
+        out.append((f"diloco K={k} offload", ["method=diloco", f"workers={k}", "simulation.offload=true"]))
     return [(name, [*o, f"inner.optimizer={inner}"]) for name, o in out]
 
 
@@ -63,11 +64,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=60, help="inner steps per run")
+    parser.add_argument("--steps", type=int, default=30, help="inner steps per run")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--inner", default="adamw", choices=["adamw", "muon"])
+    parser.add_argument("--inner", default="muon", choices=["adamw", "muon"])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", default="experiments/benchmarks/results/bench_simulation.json")
+    parser.add_argument("--out", default=None, help="default: results/bench_simulation_<inner>.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -122,10 +123,9 @@ def main() -> None:
             f"{r['case']:<22}{r['train_tokens_per_s']:>10.0f}{r['ratio_to_dp']:>8.3f}{r['peak_rss_mb']:>13.0f}"
             f"{cuda:>14}{r['final_val_loss']:>10.3f}"
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps({"args": vars(args), "device": device, "rows": rows, "raw": results}, indent=2)
-    )
+    out = Path(args.out or f"experiments/benchmarks/results/bench_simulation_{args.inner}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "device": device, "rows": rows, "raw": results}, indent=2))
 
 
 if __name__ == "__main__":

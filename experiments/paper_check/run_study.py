@@ -18,33 +18,49 @@ from pathlib import Path
 
 BASE = "configs/quickstart.yaml"
 
+# Tuned on the DP baselines ("tune" study): the best inner lr of each optimizer at this budget.
+ADAMW = ["inner.optimizer=adamw", "inner.adamw.lr=0.0015"]
+MUON = ["inner.optimizer=muon", "inner.lr=0.04"]
+DILOCO_MOMENTUM = 0.6  # best of {0.6, 0.9} in "tune_outer"
+MULOCO_MOMENTUM = 0.6  # best of {0.6, 0.9} in "tune_outer"
+
 STUDIES: dict[str, dict[str, list[str]]] = {
     # Tuning first: the inner lr of each DP baseline, then the outer lr / momentum at K = 4.
     "tune": {
+        "dp_adamw_lr7.5e-4": ["method=dp", "workers=4", "inner.optimizer=adamw", "inner.adamw.lr=0.00075"],
         "dp_adamw_lr1.5e-3": ["method=dp", "workers=4", "inner.optimizer=adamw", "inner.adamw.lr=0.0015"],
         "dp_adamw_lr3e-3": ["method=dp", "workers=4", "inner.optimizer=adamw", "inner.adamw.lr=0.003"],
         "dp_adamw_lr6e-3": ["method=dp", "workers=4", "inner.optimizer=adamw", "inner.adamw.lr=0.006"],
         "dp_muon_lr0.01": ["method=dp", "workers=4", "inner.optimizer=muon", "inner.lr=0.01"],
         "dp_muon_lr0.02": ["method=dp", "workers=4", "inner.optimizer=muon", "inner.lr=0.02"],
         "dp_muon_lr0.04": ["method=dp", "workers=4", "inner.optimizer=muon", "inner.lr=0.04"],
+        "dp_muon_lr0.08": ["method=dp", "workers=4", "inner.optimizer=muon", "inner.lr=0.08"],
         "diloco_k4_m0.9": ["workers=4", "inner.optimizer=adamw", "outer.momentum=0.9"],
         "diloco_k4_m0.6": ["workers=4", "inner.optimizer=adamw", "outer.momentum=0.6"],
         "muloco_k4_m0.6": ["workers=4", "inner.optimizer=muon", "outer.momentum=0.6"],
         "muloco_k4_m0.9": ["workers=4", "inner.optimizer=muon", "outer.momentum=0.9"],
     },
+    # Outer momentum at K = 4 with each method's tuned inner lr (AdamW 1.5e-3, Muon 0.04, from "tune").
+    "tune_outer": {
+        "diloco_k4_m0.6": ["workers=4", *ADAMW, "outer.momentum=0.6"],
+        "diloco_k4_m0.9": ["workers=4", *ADAMW, "outer.momentum=0.9"],
+        "muloco_k4_m0.6": ["workers=4", *MUON, "outer.momentum=0.6"],
+        "muloco_k4_m0.9": ["workers=4", *MUON, "outer.momentum=0.9"],
+    },
+    # The paper check at tuned settings (outer momentum from "tune_outer").
     "engine": {
-        "dp_adamw": ["method=dp", "workers=4", "inner.optimizer=adamw"],
-        "dp_muon": ["method=dp", "workers=4", "inner.optimizer=muon"],
-        "diloco_k1": ["workers=1", "inner.optimizer=adamw"],
-        "diloco_k4": ["workers=4", "inner.optimizer=adamw"],
-        "muloco_k1": ["workers=1", "inner.optimizer=muon"],
-        "muloco_k4": ["workers=4", "inner.optimizer=muon"],
+        "dp_adamw": ["method=dp", "workers=4", *ADAMW],
+        "dp_muon": ["method=dp", "workers=4", *MUON],
+        "diloco_k1": ["workers=1", *ADAMW, f"outer.momentum={DILOCO_MOMENTUM}"],
+        "diloco_k4": ["workers=4", *ADAMW, f"outer.momentum={DILOCO_MOMENTUM}"],
+        "muloco_k1": ["workers=1", *MUON, f"outer.momentum={MULOCO_MOMENTUM}"],
+        "muloco_k4": ["workers=4", *MUON, f"outer.momentum={MULOCO_MOMENTUM}"],
     },
     "compression": {
         f"{name}_{label}": [*method, *comp]
         for name, method in (
-            ("muloco", ["workers=4", "inner.optimizer=muon"]),
-            ("diloco", ["workers=4", "inner.optimizer=adamw"]),
+            ("muloco", ["workers=4", *MUON, f"outer.momentum={MULOCO_MOMENTUM}"]),
+            ("diloco", ["workers=4", *ADAMW, f"outer.momentum={DILOCO_MOMENTUM}"]),
         )
         for label, comp in (
             ("fp32", []),

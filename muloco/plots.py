@@ -1,0 +1,94 @@
+"""The report's figures, drawn with matplotlib's Agg canvas (no display, no pyplot global state).
+
+Each function takes plain data (lists of numbers and labels) and writes one PNG; the choice of runs and
+series is the report's (muloco/report.py).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, NullLocator
+
+# A curve: (label, is_dp_baseline, tokens, val losses).
+Curve = tuple[str, bool, list[float], list[float]]
+
+
+def _save(fig: Figure, path: Path) -> None:
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def loss_vs_tokens(groups: dict[str, list[Curve]], path: Path) -> None:
+    """Validation loss against tokens seen, one panel per inner optimizer; DP baselines dashed black."""
+    fig = Figure(figsize=(5.5 * len(groups), 4.2))
+    axes = fig.subplots(1, len(groups), squeeze=False, sharey=True)[0]
+    for ax, (group, curves) in zip(axes, groups.items(), strict=True):
+        for label, is_dp, tokens, losses in curves:
+            style = {"color": "black", "linestyle": "--"} if is_dp else {}
+            ax.plot(tokens, losses, marker=".", markersize=3, linewidth=1.2, label=label, **style)
+        ax.set_title(f"inner optimizer: {group}")
+        ax.set_xlabel("tokens seen (all workers)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("validation loss")
+    _bottom_at_final_losses(axes, groups)
+    _save(fig, path)
+
+
+def _bottom_at_final_losses(axes, groups: dict[str, list[Curve]]) -> None:
+    """Zoom the shared y axis on the end of training, where runs differ (the first evals are ~ln V)."""
+    finals = [c[3][-1] for curves in groups.values() for c in curves if c[3]]
+    firsts = [c[3][0] for curves in groups.values() for c in curves if c[3]]
+    if finals and firsts:
+        low, high = min(finals), max(firsts)
+        top = low + 3 * (max(finals) - low + 0.05)
+        axes[0].set_ylim(low - 0.05 * (top - low), min(high, top) + 0.02)
+
+
+def series_plot(
+    series: dict[str, list[tuple[float, float]]],
+    path: Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    styles: dict[str, dict] | None = None,
+    references: dict[str, tuple[float, str]] | None = None,
+    log2_x: bool = False,
+    tick_labels: dict[float, str] | None = None,
+) -> None:
+    """Lines of (x, y) points, one per series; references are labelled horizontal lines (y, color)."""
+    fig = Figure(figsize=(6.4, 4.4))
+    ax = fig.subplots()
+    for label, points in series.items():
+        points = sorted(points)
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            marker="o",
+            label=label,
+            **(styles or {}).get(label, {}),
+        )
+    for label, (y, color) in (references or {}).items():
+        ax.axhline(y, color=color, linestyle=":", linewidth=1.2, label=label)
+    xs = sorted({p[0] for points in series.values() for p in points})
+    if log2_x and xs and min(xs) > 0:
+        ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(xs))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([(tick_labels or {}).get(x, _number(x)) for x in xs])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if math.isfinite(x) and float(x).is_integer() else f"{x:g}"

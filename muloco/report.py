@@ -1,0 +1,434 @@
+"""`muloco report DIR`: tables and plots from the run directories under DIR (a sweep's, or any).
+
+Reads every `DIR/*/summary.json` with its `config.yaml` and `metrics.jsonl`, and writes into DIR:
+
+- `summary.csv`: one row per run: the config keys that differ across the runs, every summary.json field,
+  the run's DP baseline and its % over it: (final_val_loss / dp_final_val_loss - 1) x 100.
+- `report.md`: one table per inner optimizer, the best DiLoCo/MuLoCo run of each in bold, and the plots.
+- PNGs: val loss vs tokens; % over DP vs K (workers); loss vs bits with and without error feedback; loss
+  vs H (sync.every). A plot the runs have no data for is skipped, and report.md says why.
+
+A run's DP baseline is the completed `method: dp` run with the same inner optimizer, tokens seen and
+settings DP uses (model, data, inner, train budget); one with the same `workers` (the same data shards) is
+preferred.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from muloco.errors import UserError
+from muloco.metrics import read_jsonl
+
+# Config keys that never tell runs apart in a report (names, places, logging, threads).
+IGNORED_PREFIXES = ("run.", "logging.", "checkpoint.", "train.threads")
+# Keys a DP run ignores, or that may differ between a run and its DP baseline.
+DP_FREE_PREFIXES = ("method", "workers", "sync.", "outer.", "compression.")
+
+PLOTS = {
+    "loss_vs_tokens.png": "validation loss vs tokens, per inner optimizer",
+    "pct_over_dp_vs_workers.png": "% over the DP baseline vs K (workers), per inner optimizer",
+    "loss_vs_bits.png": "final validation loss vs bits per pseudogradient entry, with and without EF",
+    "loss_vs_sync_every.png": "final validation loss vs H (sync.every)",
+}
+
+
+@dataclass
+class RunRecord:
+    """One run directory: its summary.json, its config.yaml flattened to dotted keys, its eval curve."""
+
+    name: str
+    path: Path
+    summary: dict[str, Any]
+    config: dict[str, Any]
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (tokens, val_loss)
+    baseline: RunRecord | None = None
+    pct_over_dp: float | None = None
+
+    @property
+    def group(self) -> str:
+        return str(self.summary.get("inner_optimizer") or self.config.get("inner.optimizer") or "?")
+
+    @property
+    def is_dp(self) -> bool:
+        return (self.summary.get("method") or self.config.get("method")) == "dp"
+
+    @property
+    def loss(self) -> float | None:
+        value = self.summary.get("final_val_loss")
+        return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+    @property
+    def completed(self) -> bool:
+        return self.summary.get("status") == "completed"
+
+
+def _flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def load_runs(directory: Path) -> list[RunRecord]:
+    """Every `directory/*/summary.json`, sorted by directory name; an unreadable one is skipped."""
+    runs = []
+    for summary_path in sorted(directory.glob("*/summary.json")):
+        run_dir = summary_path.parent
+        try:
+            summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue
+        if not isinstance(summary, dict):
+            continue
+        try:
+            config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            config = None
+        evals: dict[int, float] = {}
+        for record in read_jsonl(run_dir / "metrics.jsonl"):
+            if record.get("kind") == "eval" and isinstance(record.get("val_loss"), int | float):
+                evals[int(record.get("tokens", 0))] = float(record["val_loss"])
+        runs.append(
+            RunRecord(
+                run_dir.name,
+                run_dir,
+                summary,
+                _flatten(config) if isinstance(config, dict) else {},
+                sorted(evals.items()),
+            )
+        )
+    return runs
+
+
+def varied_keys(runs: list[RunRecord]) -> list[str]:
+    """Config keys whose values differ across the runs, in config order (names and places left out)."""
+    keys = list(dict.fromkeys(k for run in runs for k in run.config))
+    return [
+        key
+        for key in keys
+        if not key.startswith(IGNORED_PREFIXES)
+        and len({_canonical(run.config.get(key)) for run in runs if run.config}) > 1
+    ]
+
+
+def pct_over(loss: float, dp_loss: float) -> float:
+    """How much worse than DP, in percent: (loss / dp_loss - 1) x 100 (the MuLoCo paper's measure)."""
+    return (loss / dp_loss - 1.0) * 100.0
+
+
+def find_baseline(run: RunRecord, runs: list[RunRecord]) -> RunRecord | None:
+    """The run's DP baseline (module docstring), or None."""
+    if run.is_dp:
+        return None
+
+    def dp_settings(r: RunRecord) -> dict[str, Any]:
+        return {
+            k: _canonical(v)
+            for k, v in r.config.items()
+            if not k.startswith(IGNORED_PREFIXES) and not k.startswith(DP_FREE_PREFIXES)
+        }
+
+    candidates = [
+        r
+        for r in runs
+        if r.is_dp
+        and r.completed
+        and r.loss is not None
+        and r.group == run.group
+        and r.summary.get("tokens_seen") == run.summary.get("tokens_seen")
+        and (not r.config or not run.config or dp_settings(r) == dp_settings(run))
+    ]
+    same_workers = [r for r in candidates if r.summary.get("workers") == run.summary.get("workers")]
+    return (same_workers or candidates or [None])[0]
+
+
+def _sort_value(value: Any) -> tuple:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return (0, value, "")
+    return (1, 0, _canonical(value))
+
+
+def order_runs(runs: list[RunRecord], keys: list[str]) -> dict[str, list[RunRecord]]:
+    """Runs grouped by inner optimizer (groups sorted); in a group the DP runs first, then by the varied
+    keys' values (numbers numerically)."""
+    groups: dict[str, list[RunRecord]] = {}
+    for run in sorted(runs, key=lambda r: r.group):
+        groups.setdefault(run.group, []).append(run)
+    for members in groups.values():
+        members.sort(key=lambda r: (not r.is_dp, [_sort_value(r.config.get(k)) for k in keys], r.name))
+    return groups
+
+
+# --- files ------------------------------------------------------------------------------------------
+
+
+def write_csv(runs: list[RunRecord], keys: list[str], path: Path) -> None:
+    fields = list(dict.fromkeys(k for run in runs for k in run.summary))
+    header = ["run", *keys, *fields, "dp_baseline", "pct_over_dp"]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        for run in runs:
+            values = [run.config.get(k) for k in keys] + [run.summary.get(k) for k in fields]
+            writer.writerow(
+                [
+                    run.name,
+                    *(_csv_cell(v) for v in values),
+                    run.baseline.name if run.baseline else "",
+                    "" if run.pct_over_dp is None else f"{run.pct_over_dp:.4f}",
+                ]
+            )
+
+
+def _csv_cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, list | dict):
+        return json.dumps(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value).replace("|", "\\|")
+
+
+def _table(runs: list[RunRecord], keys: list[str]) -> list[str]:
+    keys = [k for k in keys if k != "inner.optimizer"]
+    header = [
+        "run",
+        *keys,
+        "final val loss",
+        "% over DP",
+        "MB sent / worker",
+        "DDP bytes / sent",
+        "bits / param",
+    ]
+    header += ["tokens", "wall s", "status"]
+    lines = ["| " + " | ".join(f"`{h}`" if h in keys else h for h in header) + " |"]
+    lines.append("|" + "---|" * len(header))
+    eligible = [r for r in runs if not r.is_dp and r.completed and r.loss is not None]
+    best = min(eligible, key=lambda r: r.loss) if eligible else None
+    for run in runs:
+        s = run.summary
+        sent, ddp = s.get("bytes_sent_per_worker"), s.get("bytes_ddp_equivalent")
+        cells = [
+            run.name,
+            *(_cell(run.config.get(k)) for k in keys),
+            "" if run.loss is None else f"{run.loss:.4f}",
+            "" if run.pct_over_dp is None else f"{run.pct_over_dp:+.2f}%",
+            "" if not isinstance(sent, int | float) else f"{sent / 1e6:.2f}",
+            f"{ddp / sent:.1f}x"
+            if isinstance(sent, int | float) and sent and isinstance(ddp, int | float)
+            else "",
+            _cell(s.get("effective_bits_per_param")),
+            _cell(s.get("tokens_seen")),
+            "" if not isinstance(s.get("wall_time_s"), int | float) else f"{s['wall_time_s']:.0f}",
+            str(s.get("status", "")),
+        ]
+        if run is best:
+            cells[0] = f"**{cells[0]}**"
+            cells[len(keys) + 1] = f"**{cells[len(keys) + 1]}**"
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_markdown(
+    directory: Path,
+    groups: dict[str, list[RunRecord]],
+    keys: list[str],
+    plots: dict[str, str | None],
+    path: Path,
+) -> None:
+    runs = [r for members in groups.values() for r in members]
+    statuses: dict[str, int] = {}
+    for run in runs:
+        statuses[str(run.summary.get("status"))] = statuses.get(str(run.summary.get("status")), 0) + 1
+    lines = [
+        f"# Report: {directory.name}",
+        "",
+        f"{len(runs)} runs in `{directory}` ({', '.join(f'{n} {s}' for s, n in sorted(statuses.items()))}).",
+        f"Settings that differ across runs: {', '.join(f'`{k}`' for k in keys) or 'none'}.",
+        "",
+        "% over DP = (final val loss / final val loss of the DP baseline - 1) x 100, lower is better; the DP "
+        "baseline is the `method: dp` run with the same inner optimizer and tokens (the same `workers` if "
+        "there is one). **Bold**: each inner optimizer's best DiLoCo/MuLoCo run. DDP bytes / sent: how many "
+        "times fewer bytes each worker sent than data-parallel training's ring all-reduce would have.",
+    ]
+    failed = [r.name for r in runs if not r.completed]
+    if failed:
+        lines += ["", f"Not completed: {', '.join(failed)} (see each run's train.log)."]
+    for group, members in groups.items():
+        lines += ["", f"## inner optimizer: {group}", "", *_table(members, keys)]
+    lines += ["", "## Plots", ""]
+    for name, skipped in plots.items():
+        if skipped is None:
+            lines += [f"![{PLOTS[name]}]({name})", ""]
+    for name, skipped in plots.items():
+        if skipped is not None:
+            lines.append(f"- skipped `{name}` ({PLOTS[name]}): {skipped}")
+    path.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
+
+
+# --- plots ------------------------------------------------------------------------------------------
+
+
+def _series_label(run: RunRecord, keys: list[str], drop: tuple[str, ...]) -> str:
+    """The run's inner optimizer plus the varied keys not on the plot's axes, e.g. `muon H=30`."""
+    parts = [run.group]
+    for key in keys:
+        if key == "inner.optimizer" or key.startswith(drop) or key == "method":
+            continue
+        parts.append(f"{key.split('.')[-1]}={_cell(run.config.get(key))}")
+    return " ".join(parts)
+
+
+def _dp_references(runs: list[RunRecord]) -> dict[str, tuple[float, str]]:
+    refs: dict[str, tuple[float, str]] = {}
+    for i, group in enumerate(sorted({r.group for r in runs})):
+        base = next((r.baseline for r in runs if r.group == group and r.baseline is not None), None)
+        if base is not None and base.loss is not None:
+            refs[f"DP {group}"] = (base.loss, f"C{i}")
+    return refs
+
+
+def make_plots(runs: list[RunRecord], keys: list[str], directory: Path) -> dict[str, str | None]:
+    """Write the PNGs; returns each plot's name -> None (written) or why it was skipped."""
+    from muloco import plots
+
+    done: dict[str, str | None] = {}
+    diloco = [r for r in runs if not r.is_dp and r.loss is not None]
+
+    groups: dict[str, list[plots.Curve]] = {}
+    for run in sorted(runs, key=lambda r: (r.group, not r.is_dp, r.name)):
+        if run.evals:
+            tokens, losses = zip(*run.evals, strict=True)
+            groups.setdefault(run.group, []).append((run.name, run.is_dp, list(tokens), list(losses)))
+    if groups:
+        plots.loss_vs_tokens(groups, directory / "loss_vs_tokens.png")
+        done["loss_vs_tokens.png"] = None
+    else:
+        done["loss_vs_tokens.png"] = "no run has evaluations in metrics.jsonl"
+
+    series: dict[str, list[tuple[float, float]]] = {}
+    for run in diloco:
+        if run.pct_over_dp is not None and isinstance(run.summary.get("workers"), int):
+            label = _series_label(run, keys, ("workers",))
+            series.setdefault(label, []).append((run.summary["workers"], run.pct_over_dp))
+    if any(len({x for x, _ in points}) > 1 for points in series.values()):
+        plots.series_plot(
+            series,
+            directory / "pct_over_dp_vs_workers.png",
+            xlabel="K (workers)",
+            ylabel="% over DP baseline (final val loss)",
+            title="DiLoCo/MuLoCo vs data-parallel, by number of workers",
+            references={"DP": (0.0, "black")},
+            log2_x=True,
+        )
+        done["pct_over_dp_vs_workers.png"] = None
+    else:
+        done["pct_over_dp_vs_workers.png"] = "needs runs at 2+ worker counts, each with a DP baseline"
+
+    done["loss_vs_bits.png"] = _bits_plot(diloco, keys, directory, plots)
+
+    series = {}
+    for run in diloco:
+        if isinstance(run.summary.get("sync_every"), int):
+            label = _series_label(run, keys, ("sync.",))
+            series.setdefault(label, []).append((run.summary["sync_every"], run.loss))
+    if any(len({x for x, _ in points}) > 1 for points in series.values()):
+        plots.series_plot(
+            series,
+            directory / "loss_vs_sync_every.png",
+            xlabel="H (inner steps between syncs)",
+            ylabel="final validation loss",
+            title="Loss vs synchronization interval",
+            references=_dp_references(diloco),
+            log2_x=True,
+        )
+        done["loss_vs_sync_every.png"] = None
+    else:
+        done["loss_vs_sync_every.png"] = "needs DiLoCo/MuLoCo runs at 2+ values of sync.every"
+    return done
+
+
+def _bits_plot(diloco: list[RunRecord], keys: list[str], directory: Path, plots) -> str | None:
+    """Loss vs bits: solid lines without error feedback, dashed with it; the fp32 run (32 bits) belongs to
+    both lines of its inner optimizer."""
+    quantized = [r for r in diloco if r.summary.get("compression") in ("linear", "statistical", "none")]
+    if len({r.summary.get("bits") for r in quantized}) < 2:
+        return "needs DiLoCo/MuLoCo runs at 2+ bit widths (compression.bits, or fp32 vs quantized)"
+    series: dict[str, list[tuple[float, float]]] = {}
+    styles: dict[str, dict] = {}
+    colors: dict[str, str] = {}
+    for run in quantized:
+        base = _series_label(run, keys, ("compression.",))
+        colors.setdefault(base, f"C{len(colors)}")
+        feedback = (
+            [True, False]
+            if run.summary.get("compression") == "none"
+            else [bool(run.summary.get("error_feedback"))]
+        )
+        for ef in feedback:
+            label = f"{base}, {'with' if ef else 'no'} error feedback"
+            styles[label] = {"color": colors[base], "linestyle": "--" if ef else "-"}
+            series.setdefault(label, []).append((float(run.summary["bits"]), run.loss))
+    # A line only of the fp32 point (no quantized run with that error feedback setting) says nothing.
+    series = {k: v for k, v in series.items() if len(v) > 1 or all(x != 32 for x, _ in v)}
+    plots.series_plot(
+        series,
+        directory / "loss_vs_bits.png",
+        xlabel="bits per pseudogradient entry",
+        ylabel="final validation loss",
+        title="Loss vs pseudogradient compression",
+        styles=styles,
+        references=_dp_references(quantized),
+        log2_x=True,
+        tick_labels={32.0: "fp32"},
+    )
+    return None
+
+
+def build_report(directory: str | Path) -> dict[str, Path]:
+    """Write summary.csv, report.md and the PNGs into directory; returns their paths by file name."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(
+            f"report: {directory} is not a directory; pass a sweep directory or a runs/ directory"
+        )
+    runs = load_runs(directory)
+    if not runs:
+        raise UserError(f"report: no run directories with a summary.json under {directory}; check the path")
+    for run in runs:
+        run.baseline = find_baseline(run, runs)
+        if run.baseline is not None and run.loss is not None:
+            run.pct_over_dp = pct_over(run.loss, run.baseline.loss)
+    keys = varied_keys(runs)
+    groups = order_runs(runs, keys)
+    ordered = [r for members in groups.values() for r in members]
+    write_csv(ordered, keys, directory / "summary.csv")
+    plot_status = make_plots(ordered, keys, directory)
+    write_markdown(directory, groups, keys, plot_status, directory / "report.md")
+    outputs = {"summary.csv": directory / "summary.csv", "report.md": directory / "report.md"}
+    outputs.update({name: directory / name for name, skipped in plot_status.items() if skipped is None})
+    return outputs
