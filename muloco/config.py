@@ -11,6 +11,7 @@ import copy
 import difflib
 import hashlib
 import json
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -499,6 +500,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
                 raise ConfigError(
                     f"override {text!r}: unknown key '{part}' in {where}; {_did_you_mean(part, list(fields))}"
                 )
+        if _is_text_field(fields[parts[-1]].annotation):
+            value = text.split("=", 1)[1].strip()  # run.name=off stays "off", not YAML's False
         node = data
         for part in parts[:-1]:
             child = node.get(part)
@@ -507,6 +510,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
             node = child
         node[parts[-1]] = value
     return data
+
+
+def _is_text_field(annotation: Any) -> bool:
+    """True for str, str | None and Literal[...] of strings: fields whose override is taken verbatim."""
+    if annotation is str:
+        return True
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is Literal:
+        return all(isinstance(a, str) for a in args)
+    return bool(args) and all(a is str for a in args)
 
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:

@@ -67,13 +67,8 @@ def series_plot(
     ax = fig.subplots()
     for label, points in series.items():
         points = sorted(points)
-        ax.plot(
-            [p[0] for p in points],
-            [p[1] for p in points],
-            marker="o",
-            label=label,
-            **(styles or {}).get(label, {}),
-        )
+        style = {"marker": "o", **(styles or {}).get(label, {})}
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=label, **style)
     for label, (y, color) in (references or {}).items():
         ax.axhline(y, color=color, linestyle=":", linewidth=1.2, label=label)
     xs = sorted({p[0] for points in series.values() for p in points})

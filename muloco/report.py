@@ -178,7 +178,7 @@ def order_runs(runs: list[RunRecord], keys: list[str]) -> dict[str, list[RunReco
 
 
 def write_csv(runs: list[RunRecord], keys: list[str], path: Path) -> None:
-    fields = list(dict.fromkeys(k for run in runs for k in run.summary))
+    fields = [k for k in dict.fromkeys(k for run in runs for k in run.summary) if k not in keys]
     header = ["run", *keys, *fields, "dp_baseline", "pct_over_dp"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
@@ -293,22 +293,57 @@ def write_markdown(
 # --- plots ------------------------------------------------------------------------------------------
 
 
-def _series_label(run: RunRecord, keys: list[str], drop: tuple[str, ...]) -> str:
-    """The run's inner optimizer plus the varied keys not on the plot's axes, e.g. `muon H=30`."""
-    parts = [run.group]
-    for key in keys:
-        if key == "inner.optimizer" or key.startswith(drop) or key == "method":
-            continue
-        parts.append(f"{key.split('.')[-1]}={_cell(run.config.get(key))}")
-    return " ".join(parts)
+Series = dict[tuple[str, tuple[tuple[str, str], ...]], list[tuple[float, float]]]
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
-def _dp_references(runs: list[RunRecord]) -> dict[str, tuple[float, str]]:
+def _series_key(run: RunRecord, keys: list[str], drop: tuple[str, ...]) -> tuple:
+    """(inner optimizer, values of the varied keys not on the plot's axes)."""
+    skip = ("inner.optimizer", "method")
+    return run.group, tuple(
+        (k, _cell(run.config.get(k))) for k in keys if k not in skip and not k.startswith(drop)
+    )
+
+
+def _series(runs: list[RunRecord], keys: list[str], drop: tuple[str, ...], point) -> Series:
+    """Points (x, y) = point(run) grouped by `_series_key`; only series with 2+ distinct x (a line, not a
+    lone point) are kept."""
+    out: Series = {}
+    for run in runs:
+        xy = point(run)
+        if xy is not None:
+            out.setdefault(_series_key(run, keys, drop), []).append(xy)
+    return {key: points for key, points in out.items() if len({x for x, _ in points}) > 1}
+
+
+def _styled(series: Series, groups: list[str], suffix: str = "", dashed: bool = False):
+    """Labels naming only what tells the series apart; one colour per inner optimizer (as in the DP
+    reference lines), one marker per series within it."""
+    varying = {k for _, other in series for k, v in other if len({dict(o).get(k) for _, o in series}) > 1}
+    lines: dict[str, list[tuple[float, float]]] = {}
+    styles: dict[str, dict] = {}
+    per_group: dict[str, int] = {}
+    for (group, other), points in series.items():
+        parts = [group, *(f"{k.split('.')[-1]}={v}" for k, v in other if k in varying)]
+        label = " ".join(parts) + suffix
+        index = per_group[group] = per_group.get(group, -1) + 1
+        lines[label] = points
+        styles[label] = {
+            "color": f"C{groups.index(group) % 10}",
+            "marker": MARKERS[index % len(MARKERS)],
+            "linestyle": "--" if dashed else "-",
+        }
+    return lines, styles
+
+
+def _dp_references(runs: list[RunRecord], groups: list[str]) -> dict[str, tuple[float, str]]:
+    """A dotted line at each inner optimizer's DP loss (its runs' baseline, if they share one)."""
     refs: dict[str, tuple[float, str]] = {}
-    for i, group in enumerate(sorted({r.group for r in runs})):
-        base = next((r.baseline for r in runs if r.group == group and r.baseline is not None), None)
-        if base is not None and base.loss is not None:
-            refs[f"DP {group}"] = (base.loss, f"C{i}")
+    for group in groups:
+        bases = {id(r.baseline): r.baseline for r in runs if r.group == group and r.baseline is not None}
+        if len(bases) == 1:
+            base = next(iter(bases.values()))
+            refs[f"DP {group}"] = (base.loss, f"C{groups.index(group) % 10}")
     return refs
 
 
@@ -317,31 +352,33 @@ def make_plots(runs: list[RunRecord], keys: list[str], directory: Path) -> dict[
     from muloco import plots
 
     done: dict[str, str | None] = {}
+    groups = sorted({r.group for r in runs})
     diloco = [r for r in runs if not r.is_dp and r.loss is not None]
 
-    groups: dict[str, list[plots.Curve]] = {}
+    curves: dict[str, list[plots.Curve]] = {}
     for run in sorted(runs, key=lambda r: (r.group, not r.is_dp, r.name)):
         if run.evals:
             tokens, losses = zip(*run.evals, strict=True)
-            groups.setdefault(run.group, []).append((run.name, run.is_dp, list(tokens), list(losses)))
-    if groups:
-        plots.loss_vs_tokens(groups, directory / "loss_vs_tokens.png")
+            curves.setdefault(run.group, []).append((run.name, run.is_dp, list(tokens), list(losses)))
+    if curves:
+        plots.loss_vs_tokens(curves, directory / "loss_vs_tokens.png")
         done["loss_vs_tokens.png"] = None
     else:
         done["loss_vs_tokens.png"] = "no run has evaluations in metrics.jsonl"
 
-    series: dict[str, list[tuple[float, float]]] = {}
-    for run in diloco:
-        if run.pct_over_dp is not None and isinstance(run.summary.get("workers"), int):
-            label = _series_label(run, keys, ("workers",))
-            series.setdefault(label, []).append((run.summary["workers"], run.pct_over_dp))
-    if any(len({x for x, _ in points}) > 1 for points in series.values()):
+    def workers_point(run: RunRecord):
+        k = run.summary.get("workers")
+        return (k, run.pct_over_dp) if run.pct_over_dp is not None and isinstance(k, int) else None
+
+    lines, styles = _styled(_series(diloco, keys, ("workers",), workers_point), groups)
+    if lines:
         plots.series_plot(
-            series,
+            lines,
             directory / "pct_over_dp_vs_workers.png",
             xlabel="K (workers)",
             ylabel="% over DP baseline (final val loss)",
             title="DiLoCo/MuLoCo vs data-parallel, by number of workers",
+            styles=styles,
             references={"DP": (0.0, "black")},
             log2_x=True,
         )
@@ -349,21 +386,24 @@ def make_plots(runs: list[RunRecord], keys: list[str], directory: Path) -> dict[
     else:
         done["pct_over_dp_vs_workers.png"] = "needs runs at 2+ worker counts, each with a DP baseline"
 
-    done["loss_vs_bits.png"] = _bits_plot(diloco, keys, directory, plots)
+    done["loss_vs_bits.png"] = _bits_plot(diloco, keys, groups, directory, plots)
 
-    series = {}
-    for run in diloco:
-        if isinstance(run.summary.get("sync_every"), int):
-            label = _series_label(run, keys, ("sync.",))
-            series.setdefault(label, []).append((run.summary["sync_every"], run.loss))
-    if any(len({x for x, _ in points}) > 1 for points in series.values()):
+    def sync_point(run: RunRecord):
+        h = run.summary.get("sync_every")
+        return (h, run.loss) if isinstance(h, int) else None
+
+    series = _series(diloco, keys, ("sync.",), sync_point)
+    lines, styles = _styled(series, groups)
+    if lines:
+        plotted = [r for r in diloco if _series_key(r, keys, ("sync.",)) in series]
         plots.series_plot(
-            series,
+            lines,
             directory / "loss_vs_sync_every.png",
             xlabel="H (inner steps between syncs)",
             ylabel="final validation loss",
             title="Loss vs synchronization interval",
-            references=_dp_references(diloco),
+            styles=styles,
+            references=_dp_references(plotted, groups),
             log2_x=True,
         )
         done["loss_vs_sync_every.png"] = None
@@ -372,37 +412,42 @@ def make_plots(runs: list[RunRecord], keys: list[str], directory: Path) -> dict[
     return done
 
 
-def _bits_plot(diloco: list[RunRecord], keys: list[str], directory: Path, plots) -> str | None:
-    """Loss vs bits: solid lines without error feedback, dashed with it; the fp32 run (32 bits) belongs to
-    both lines of its inner optimizer."""
-    quantized = [r for r in diloco if r.summary.get("compression") in ("linear", "statistical", "none")]
-    if len({r.summary.get("bits") for r in quantized}) < 2:
-        return "needs DiLoCo/MuLoCo runs at 2+ bit widths (compression.bits, or fp32 vs quantized)"
-    series: dict[str, list[tuple[float, float]]] = {}
+def _bits_plot(
+    diloco: list[RunRecord], keys: list[str], groups: list[str], directory: Path, plots
+) -> str | None:
+    """Loss vs bits: solid lines without error feedback, dashed with it. The fp32 run (x = 32) has nothing
+    for error feedback to resend, so it starts both lines."""
+    lines: dict[str, list[tuple[float, float]]] = {}
     styles: dict[str, dict] = {}
-    colors: dict[str, str] = {}
-    for run in quantized:
-        base = _series_label(run, keys, ("compression.",))
-        colors.setdefault(base, f"C{len(colors)}")
-        feedback = (
-            [True, False]
-            if run.summary.get("compression") == "none"
-            else [bool(run.summary.get("error_feedback"))]
-        )
-        for ef in feedback:
-            label = f"{base}, {'with' if ef else 'no'} error feedback"
-            styles[label] = {"color": colors[base], "linestyle": "--" if ef else "-"}
-            series.setdefault(label, []).append((float(run.summary["bits"]), run.loss))
-    # A line only of the fp32 point (no quantized run with that error feedback setting) says nothing.
-    series = {k: v for k, v in series.items() if len(v) > 1 or all(x != 32 for x, _ in v)}
+    plotted_series: set[tuple] = set()
+    for ef in (False, True):
+
+        def point(run: RunRecord, ef: bool = ef):
+            scheme, bits = run.summary.get("compression"), run.summary.get("bits")
+            same_ef = bool(run.summary.get("error_feedback")) == ef
+            if isinstance(bits, int) and (
+                scheme == "none" or (scheme in ("linear", "statistical") and same_ef)
+            ):
+                return float(bits), run.loss
+            return None
+
+        series = _series(diloco, keys, ("compression.",), point)
+        plotted_series.update(series)
+        suffix = ", error feedback" if ef else ", no error feedback"
+        ef_lines, ef_styles = _styled(series, groups, suffix, dashed=ef)
+        lines.update(ef_lines)
+        styles.update(ef_styles)
+    if not lines:
+        return "needs DiLoCo/MuLoCo runs at 2+ bit widths (compression.bits, or fp32 and a quantized run)"
+    plotted = [r for r in diloco if _series_key(r, keys, ("compression.",)) in plotted_series]
     plots.series_plot(
-        series,
+        lines,
         directory / "loss_vs_bits.png",
         xlabel="bits per pseudogradient entry",
         ylabel="final validation loss",
-        title="Loss vs pseudogradient compression",
+        title="Loss vs pseudogradient quantization",
         styles=styles,
-        references=_dp_references(quantized),
+        references=_dp_references(plotted, groups),
         log2_x=True,
         tick_labels={32.0: "fp32"},
     )

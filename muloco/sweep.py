@@ -399,9 +399,19 @@ def run_status(run_dir: Path) -> str:
 def _dp_identity(cfg: Config) -> str:
     """What makes two DP runs the same run: everything but where they run and the sections DP ignores."""
     data = cfg.to_dict()
-    for section in ("run", "logging", "checkpoint", "backend", "simulation", "device", "sync", "outer"):
+    ignored = (
+        "run",
+        "logging",
+        "checkpoint",
+        "backend",
+        "simulation",
+        "device",
+        "sync",
+        "outer",
+        "compression",
+    )
+    for section in ignored:
         data.pop(section, None)
-    data.pop("compression", None)
     data["train"].pop("threads", None)
     return _canonical(data)
 
@@ -504,9 +514,10 @@ Launcher = Callable[[SweepSpec, PlannedRun, Path], Any]  # returns a Popen-like:
 
 
 def run_sweep(
-    spec: SweepSpec, runs: list[PlannedRun], jobs: int, launch: Launcher = start_process, poll_s: float = 0.5
+    spec: SweepSpec, runs: list[PlannedRun], jobs: int, launch: Launcher | None = None, poll_s: float = 0.5
 ) -> SweepResult:
     """Run every run not yet completed, `jobs` at a time. A failed run does not stop the others."""
+    launch = launch or start_process
     result = SweepResult()
     pending = []
     for run in runs:
@@ -630,8 +641,10 @@ def sweep_main(path: str | Path, jobs: int = 1, dry_run: bool = False) -> int:
 
     from muloco.report import build_report  # matplotlib is slow to import: only when a report is due
 
-    outputs = build_report(spec.output_dir)
-    log.info("report=%s", outputs["report.md"])
+    try:
+        log.info("report=%s", build_report(spec.output_dir)["report.md"])
+    except UserError as exc:  # e.g. no run got as far as a summary.json: say so, then list the failures
+        log.info("no report: %s", exc)
     done = len(runs) - len(result.failed)
     if result.failed:
         names = ", ".join(f"{name} ({why})" for name, why in result.failed.items())

@@ -38,6 +38,11 @@ def test_override_parsing(text, key, value):
     assert parse_override(text) == (key, value)
 
 
+def test_text_fields_take_override_values_verbatim():
+    cfg = load_config(None, ["run.name=off", "logging.progress=off", "run.output_dir=1e5"])
+    assert (cfg.run.name, cfg.logging.progress, cfg.run.output_dir) == ("off", "off", "1e5")
+
+
 def test_overrides_apply_with_type_coercion():
     cfg = load_config(
         None, ["workers=2", "inner.adamw.betas=[0.8,0.9]", "model.preset=nano", "train.batch_tokens=1024"]

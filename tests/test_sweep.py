@@ -215,6 +215,20 @@ def test_resume_skips_completed_runs_and_reruns_failed_ones(tmp_path):
     assert launched == ["w2"] and result.skipped == ["w1", "w4"]
 
 
+def test_a_failed_run_makes_the_sweep_exit_1_and_name_it(tmp_path, monkeypatch, caplog):
+    import muloco.sweep
+
+    def launch(spec, run, log_path):
+        return FakeProcess(run.run_dir, code=1 if run.name == "w2" else 0)
+
+    monkeypatch.setattr(muloco.sweep, "start_process", launch)
+    path = write_sweep(tmp_path, {"grid": {"workers": [1, 2, 4]}})
+    with caplog.at_level("INFO", logger="muloco"):
+        assert muloco.sweep.sweep_main(path, jobs=3) == 1
+    assert "failed=1: w2 (exit code 1" in caplog.text
+    assert (tmp_path / "out" / "report.md").is_file()  # the report covers what finished
+
+
 def test_an_unfinished_run_keeps_its_thread_count(tmp_path):
     # train.threads is part of the config fingerprint: a resumed run must not change it.
     spec = load_sweep(write_sweep(tmp_path, {"grid": {"workers": [1, 2]}}))
@@ -265,6 +279,7 @@ def test_dry_run_lists_runs_and_runs_nothing(tmp_path, capsys):
 
 def test_sweep_end_to_end_then_resume(tmp_path):
     fixed = {".".join(k): v for k, v in map(parse_override, TINY)}
+    fixed["train.threads"] = 1  # a tiny model: more threads only contend (the machine may be busy)
     path = write_sweep(tmp_path, {"fixed": fixed, "grid": {"workers": [2]}, "baselines": "auto"})
     result = muloco("sweep", path, "--jobs", "1", timeout=180)
     assert result.returncode == 0, result.stderr

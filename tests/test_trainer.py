@@ -135,3 +135,20 @@ def test_wandb_offline_run_lives_in_the_run_dir(tiny):
     trainer, summary = run([*tiny, "logging.wandb=true", "method=dp"])
     assert summary["status"] == "completed"
     assert (trainer.run_dir / "wandb").is_dir()
+
+
+def test_offload_options_run_and_change_nothing_on_cpu(tiny):
+    base, _ = run([*tiny, "workers=2", "train.batch_tokens=512", "run.name=base"])
+    off, summary = run(
+        [
+            *tiny,
+            "workers=2",
+            "train.batch_tokens=512",
+            "outer.offload=cpu",
+            "simulation.offload=true",
+            "run.name=off",
+        ]
+    )
+    assert off.outer.device.type == "cpu" and summary["status"] == "completed"
+    for a, b in zip(base.outer.params, off.outer.params, strict=True):
+        assert torch.equal(a, b)
