@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("muloco: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `muloco config ... | head`: the reader left, nothing to report
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

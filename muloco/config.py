@@ -386,8 +386,11 @@ class Config(Section):
         self, exclude: tuple[str, ...] = ("run", "logging", "checkpoint", "backend", "simulation", "device")
     ) -> str:
         """Hash of the settings that change the maths, to tell checkpoints and ranks apart. Where the
-        replicas run (backend, simulation, device) is left out: a run may resume on another layout."""
+        replicas run (backend, simulation, device, train.threads) and what is logged when are left out:
+        a run may resume on another layout or with other logging."""
         data = {k: v for k, v in self.to_dict().items() if k not in exclude}
+        for key in ("threads", "log_every", "eval_every", "eval_tokens"):
+            data["train"].pop(key, None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -500,7 +503,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
                 raise ConfigError(
                     f"override {text!r}: unknown key '{part}' in {where}; {_did_you_mean(part, list(fields))}"
                 )
-        if _is_text_field(fields[parts[-1]].annotation):
+        annotation = fields[parts[-1]].annotation
+        if _is_text_field(annotation) and not (value is None and type(None) in typing.get_args(annotation)):
             value = text.split("=", 1)[1].strip()  # run.name=off stays "off", not YAML's False
         node = data
         for part in parts[:-1]:

@@ -28,7 +28,7 @@ from muloco.errors import UserError
 from muloco.metrics import read_jsonl
 
 # Config keys that never tell runs apart in a report (names, places, logging, threads).
-IGNORED_PREFIXES = ("run.", "logging.", "checkpoint.", "train.threads")
+IGNORED_PREFIXES = ("run.name", "run.output_dir", "logging.", "checkpoint.", "train.threads")
 # Keys a DP run ignores, or that may differ between a run and its DP baseline.
 DP_FREE_PREFIXES = ("method", "workers", "sync.", "outer.", "compression.")
 

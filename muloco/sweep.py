@@ -14,9 +14,10 @@ A sweep file (docs/sweeps.md)::
     baselines: auto                     # add the DP run of each DiLoCo/MuLoCo run (deduplicated)
 
 The pieces are pure functions, testable alone: `parse_sweep` (file -> `SweepSpec`, every malformation a
-`ConfigError`), `expand_grid` (grid + zip + exclude -> assignments), `dp_baseline_assignment`, `run_names`;
-`plan_sweep` validates every run's config up front (a typo fails the sweep before anything runs) and
-`run_sweep` runs the plan, J subprocesses at a time, skipping runs whose summary.json says `completed`.
+`ConfigError`), `expand_grid` (grid + zip + exclude -> assignments), `dp_baseline_assignment`, `run_names`,
+`override_text`; `plan_sweep` validates every run's config up front (a typo fails the sweep before anything
+runs) and `run_sweep` runs the plan, J subprocesses at a time, skipping runs whose summary.json says
+`completed`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from muloco.config import Config, _did_you_mean, load_config, parse_override
+from muloco.config import Config, _did_you_mean, apply_overrides, deep_merge, load_config, load_raw, validate
 from muloco.errors import ConfigError, UserError
 
 log = logging.getLogger("muloco")
@@ -357,15 +358,40 @@ def run_names(assignments: list[dict[str, Any]], prefixes: list[str] | None = No
 # --- planning: validate every run up front ----------------------------------------------------------
 
 
-def format_override(key: str, value: Any) -> str:
-    """KEY=VALUE text that `muloco.config.parse_override` reads back as exactly this value."""
-    text = value if isinstance(value, str) else json.dumps(value)
-    if isinstance(value, str) and parse_override(f"{key}={value}")[1] != value:
-        text = json.dumps(value)  # quote a string that would read as a number, bool, list, ...
-    override = f"{key}={text}"
-    if parse_override(override)[1] != value:
-        raise ConfigError(f"{key}: the value {value!r} cannot be passed as KEY=VALUE; use another value")
-    return override
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """{"train.total_tokens": 1} -> {"train": {"total_tokens": 1}}: the shape of a config file."""
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: '{part}' is a value, not a section; check the key")
+        node[leaf] = value
+    return nested
+
+
+def _read_back(override: str) -> Any:
+    """The value `muloco train` takes from one KEY=VALUE override (muloco.config's own parsing rules)."""
+    node: Any = apply_overrides({}, [override])
+    for part in override.split("=", 1)[0].strip().split("."):
+        node = node[part]
+    return node
+
+
+def override_text(key: str, value: Any) -> str | None:
+    """KEY=VALUE text that `muloco train` reads back as exactly this value (a resolved config value), or
+    None if there is none (e.g. None for a text field)."""
+    candidates = [f"{key}={value}"] if isinstance(value, str) else []
+    candidates.append(f"{key}={json.dumps(value)}")  # JSON is YAML: numbers, bools, null, lists, "quoted"
+    for text in candidates:
+        try:
+            if _canonical(_read_back(text)) == _canonical(value):
+                return text
+        except ConfigError:
+            continue
+    return None
 
 
 def cpu_count() -> int:
@@ -397,10 +423,10 @@ def run_status(run_dir: Path) -> str:
 
 
 def _dp_identity(cfg: Config) -> str:
-    """What makes two DP runs the same run: everything but where they run and the sections DP ignores."""
+    """What makes two DP runs the same run: the seed and every section but where they run and the ones
+    DP ignores."""
     data = cfg.to_dict()
-    ignored = (
-        "run",
+    for section in (
         "logging",
         "checkpoint",
         "backend",
@@ -409,11 +435,47 @@ def _dp_identity(cfg: Config) -> str:
         "sync",
         "outer",
         "compression",
-    )
-    for section in ignored:
+    ):
         data.pop(section, None)
+    data["run"] = {"seed": cfg.run.seed}
     data["train"].pop("threads", None)
     return _canonical(data)
+
+
+class _Resolver:
+    """Resolves a run's settings the way a config file would read them (the base config, deep-merged with
+    the sweep's YAML values), then finds the KEY=VALUE overrides that make `muloco train BASE ...` build
+    the very same config."""
+
+    def __init__(self, spec: SweepSpec) -> None:
+        self.spec = spec
+        self.base = load_raw(spec.base)
+
+    def config(self, values: dict[str, Any], what: str) -> Config:
+        try:
+            return validate(deep_merge(self.base, _nest(values)), source=str(self.spec.base))
+        except ConfigError as exc:
+            raise ConfigError(f"sweep {self.spec.path}: run {what}: {exc}") from None
+
+    def overrides(self, cfg: Config, keys: list[str], what: str) -> list[str]:
+        resolved = _flatten(cfg.to_dict())
+        texts = {key: override_text(key, resolved[key]) for key in keys if key in resolved}
+        overrides = [text for text in texts.values() if text is not None]
+        try:
+            same = load_config(self.spec.base, overrides).to_dict() == cfg.to_dict()
+        except ConfigError:
+            same = False
+        if not same:
+            bad = [key for key, text in texts.items() if text is None] or keys
+            raise ConfigError(
+                f"sweep {self.spec.path}: run {what}: {bad[0]}={resolved.get(bad[0])!r} cannot be passed to "
+                "`muloco train` as KEY=VALUE; set it in the base config instead"
+            )
+        return overrides
+
+
+def _describe(assignment: dict[str, Any]) -> str:
+    return " ".join(f"{k}={_canonical(v) if not isinstance(v, str) else v}" for k, v in assignment.items())
 
 
 def plan_sweep(spec: SweepSpec, threads: int | None) -> list[PlannedRun]:
@@ -424,18 +486,18 @@ def plan_sweep(spec: SweepSpec, threads: int | None) -> list[PlannedRun]:
     assignments = expand_grid(spec.grid, spec.zip_groups, spec.exclude)
     if not assignments:
         raise ConfigError(f"sweep file {spec.path}: exclude drops every run of the grid; loosen the rules")
-    fixed = [format_override(k, v) for k, v in spec.fixed.items()]
-    base_configs = [_validate(spec, a, fixed, "(grid run)") for a in assignments]
+    resolver = _Resolver(spec)
+    grid_configs = [resolver.config({**spec.fixed, **a}, _describe(a) or "(base)") for a in assignments]
 
     entries: list[tuple[dict[str, Any], bool]] = [(a, False) for a in assignments]
     if spec.baselines:
-        seen = {_dp_identity(cfg) for cfg in base_configs if cfg.method == "dp"}
-        for assignment, cfg in zip(assignments, base_configs, strict=True):
+        seen = {_dp_identity(cfg) for cfg in grid_configs if cfg.method == "dp"}
+        for assignment, cfg in zip(assignments, grid_configs, strict=True):
             if cfg.method != "diloco":
                 continue
             dp = dp_baseline_assignment(assignment)
-            dp_cfg = _validate(spec, dp, [*fixed, "method=dp", "compression.scheme=none"], "(DP baseline)")
-            identity = _dp_identity(dp_cfg)
+            values = {**spec.fixed, "compression.scheme": "none", **dp}
+            identity = _dp_identity(resolver.config(values, f"{_describe(dp)} (DP baseline)"))
             if identity not in seen:
                 seen.add(identity)
                 entries.append((dp, True))
@@ -445,34 +507,20 @@ def plan_sweep(spec: SweepSpec, threads: int | None) -> list[PlannedRun]:
     )
     runs = []
     for (assignment, is_baseline), name in zip(entries, names, strict=True):
-        overrides = [*fixed]
-        if is_baseline:
-            overrides += ["compression.scheme=none"]
-        overrides += [format_override(k, v) for k, v in assignment.items()]
-        overrides += [
-            format_override("run.name", name),
-            format_override("run.output_dir", str(spec.output_dir)),
-        ]
-        if "train.threads" not in spec.fixed and "train.threads" not in spec.grid:
+        values = {**spec.fixed, **({"compression.scheme": "none"} if is_baseline else {}), **assignment}
+        values["run.name"] = name
+        values["run.output_dir"] = str(spec.output_dir)
+        if "train.threads" not in values:
             run_threads = threads
             if run_status(spec.output_dir / name) not in ("new", "completed"):
                 run_threads = _previous_threads(spec.output_dir / name) or threads
             if run_threads is not None:
-                overrides.append(f"train.threads={run_threads}")
-        if "logging.wandb_group" not in spec.fixed and "logging.wandb_group" not in spec.grid:
-            overrides.append(format_override("logging.wandb_group", spec.name))
-        cfg = _validate(spec, {}, overrides, name)
+                values["train.threads"] = run_threads
+        values.setdefault("logging.wandb_group", spec.name)
+        cfg = resolver.config(values, name)
+        overrides = resolver.overrides(cfg, list(values), name)
         runs.append(PlannedRun(name, assignment, overrides, cfg, is_baseline))
     return runs
-
-
-def _validate(spec: SweepSpec, assignment: dict[str, Any], overrides: list[str], what: str) -> Config:
-    items = [*overrides, *(format_override(k, v) for k, v in assignment.items())]
-    try:
-        return load_config(spec.base, items)
-    except ConfigError as exc:
-        values = " ".join(format_override(k, v) for k, v in assignment.items()) or what
-        raise ConfigError(f"sweep {spec.path}: run {values}: {exc}") from None
 
 
 # --- running ----------------------------------------------------------------------------------------
@@ -545,6 +593,7 @@ def run_sweep(
     )
     active: dict[str, tuple[PlannedRun, Any, float]] = {}
     total, started = len(pending), 0
+    previous_term = _sigterm_as_interrupt()
     try:
         while pending or active:
             while pending and len(active) < jobs:
@@ -573,7 +622,23 @@ def run_sweep(
                     other.send_signal(signal.SIGINT)
                 break
         raise
+    finally:
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
     return result
+
+
+def _sigterm_as_interrupt():
+    """SIGTERM stops the sweep like Ctrl+C: the runs live in their own sessions, so without this a killed
+    sweep would leave them training (and a rerun would start a second process on the same run dir)."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        return None
 
 
 def _changed_key(run: PlannedRun) -> str | None:
@@ -584,7 +649,7 @@ def _changed_key(run: PlannedRun) -> str | None:
         return None
     if not isinstance(done, dict):
         return None
-    ignore = ("run.", "logging.", "checkpoint.", "train.threads")
+    ignore = ("run.name", "run.output_dir", "logging.", "checkpoint.", "train.threads")
     old, new = _flatten(done), _flatten(run.config.to_dict())
     for key in sorted(set(old) | set(new)):
         if not key.startswith(ignore) and _canonical(old.get(key)) != _canonical(new.get(key)):
@@ -610,19 +675,16 @@ def _finish(run: PlannedRun, code: int, seconds: float, result: SweepResult) -> 
 
 
 def describe_plan(spec: SweepSpec, runs: list[PlannedRun]) -> str:
-    """The --dry-run listing: one line per run with its status and grid values, then the shared parts."""
+    """The --dry-run listing: one line per run with its status and varied overrides, then the shared ones."""
     lines = [
         f"sweep {spec.name}: {len(runs)} runs ({sum(r.baseline for r in runs)} DP baselines) in "
         f"{spec.output_dir}, base {spec.base}",
     ]
+    shared = [o for o in runs[0].overrides if all(o in r.overrides for r in runs)]
     width = max(len(r.name) for r in runs)
     for run in runs:
-        values = " ".join(format_override(k, v) for k, v in run.assignment.items())
-        if run.baseline:
-            values = " ".join(["compression.scheme=none", values])
-        lines.append(f"  {run.name:<{width}}  {run_status(run.run_dir):<11}  {values}")
-    shared = [o for o in runs[0].overrides if not o.startswith("run.name=")]
-    shared = [o for o in shared if all(o in r.overrides for r in runs)]
+        own = [o for o in run.overrides if o not in shared and not o.startswith("run.name=")]
+        lines.append(f"  {run.name:<{width}}  {run_status(run.run_dir):<11}  {' '.join(own)}")
     lines.append(f"every run: muloco train {spec.base} {' '.join(shared)} run.name=<name>")
     return "\n".join(lines)
 

@@ -10,13 +10,14 @@ import pytest
 import yaml
 from conftest import TINY
 
-from muloco.config import parse_override
+from muloco.config import load_config, parse_override
 from muloco.errors import ConfigError
 from muloco.sweep import (
+    _read_back,
     dp_baseline_assignment,
     expand_grid,
-    format_override,
     load_sweep,
+    override_text,
     parse_sweep,
     plan_sweep,
     run_names,
@@ -85,13 +86,33 @@ def test_fp32_runs_leave_out_bits_and_error_feedback():
     assert run_names(runs) == ["fp32", "statistical_2bit_ef"]
 
 
-@pytest.mark.parametrize("value", ["muon", "1e-3", "true", "null", 0.001, 1e-5, 4, True, None, [0.9, 0.99]])
-def test_overrides_read_back_as_the_same_value(value):
-    if value == "1e-3":  # the config reads any numeric-looking string as a number: refuse it, clearly
-        with pytest.raises(ConfigError, match="cannot be passed"):
-            format_override("run.name", value)
-        return
-    assert parse_override(format_override("k", value))[1] == value
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("inner.optimizer", "muon"),
+        ("logging.progress", "off"),  # YAML would read a bare off as False
+        ("run.name", "no"),  # ... and this as False too
+        ("inner.lr", 0.001),
+        ("inner.lr", 1e-5),
+        ("workers", 4),
+        ("compression.error_feedback", True),
+        ("data.path", None),
+        ("inner.adamw.betas", [0.9, 0.99]),
+    ],
+)
+def test_overrides_read_back_as_the_same_value(key, value):
+    text = override_text(key, value)
+    assert text is not None and text.startswith(f"{key}=") and _read_back(text) == value
+
+
+def test_values_mean_what_they_mean_in_a_config_file(tmp_path):
+    # `off` is YAML's False; in a config file the schema reads it as "off", and so does a sweep.
+    fixed = {"logging.progress": False, "inner.adamw.betas": [0.9, 0.99], "inner.lr": "1e-2"}
+    spec = load_sweep(write_sweep(tmp_path, {"fixed": fixed, "grid": {"workers": [2]}}))
+    (run,) = plan_sweep(spec, threads=1)
+    assert run.config.logging.progress == "off" and run.config.inner.adamw.betas == (0.9, 0.99)
+    assert run.config.inner.lr == 0.01
+    assert load_config(QUICKSTART, run.overrides).to_dict() == run.config.to_dict()  # what `train` gets
 
 
 # --- the sweep file -------------------------------------------------------------------------------------
@@ -174,6 +195,13 @@ def test_baselines_are_not_added_twice_when_the_grid_has_the_dp_run(tmp_path):
     )
     runs = plan_sweep(spec, threads=1)
     assert [r.name for r in runs] == ["diloco_w2", "diloco_w4", "dp_w2", "dp_w4"]
+
+
+def test_each_seed_gets_its_own_baseline(tmp_path):
+    grid = {"run.seed": [0, 1], "sync.every": [10, 20]}
+    spec = load_sweep(write_sweep(tmp_path, {"grid": grid, "baselines": "auto"}))
+    names = [r.name for r in plan_sweep(spec, threads=1)]
+    assert names[-2:] == ["dp-baseline_seed0", "dp-baseline_seed1"] and len(names) == 6
 
 
 def test_shipped_sweeps_plan(tmp_path):

@@ -56,11 +56,12 @@ STUDIES: dict[str, dict[str, list[str]]] = {
         "muloco_k1": ["workers=1", *MUON, f"outer.momentum={MULOCO_MOMENTUM}"],
         "muloco_k4": ["workers=4", *MUON, f"outer.momentum={MULOCO_MOMENTUM}"],
     },
+    # The MuLoCo paper's quantization check: K = 4, H = 30, statistical row-wise quantization.
     "compression": {
         f"{name}_{label}": [*method, *comp]
         for name, method in (
-            ("muloco", ["workers=4", *MUON, f"outer.momentum={MULOCO_MOMENTUM}"]),
-            ("diloco", ["workers=4", *ADAMW, f"outer.momentum={DILOCO_MOMENTUM}"]),
+            ("muloco", ["workers=4", "sync.every=30", *MUON, f"outer.momentum={MULOCO_MOMENTUM}"]),
+            ("diloco", ["workers=4", "sync.every=30", *ADAMW, f"outer.momentum={DILOCO_MOMENTUM}"]),
         )
         for label, comp in (
             ("fp32", []),
