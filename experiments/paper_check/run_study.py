@@ -46,6 +46,9 @@ STUDIES: dict[str, dict[str, list[str]]] = {
         "diloco_k4_m0.9": ["workers=4", *ADAMW, "outer.momentum=0.9"],
         "muloco_k4_m0.6": ["workers=4", *MUON, "outer.momentum=0.6"],
         "muloco_k4_m0.9": ["workers=4", *MUON, "outer.momentum=0.9"],
+        # Averaging K weakly aligned pseudogradients shrinks the update: does a larger outer lr help?
+        "diloco_k4_m0.6_lr1.0": ["workers=4", *ADAMW, "outer.momentum=0.6", "outer.lr=1.0"],
+        "muloco_k4_m0.6_lr1.0": ["workers=4", *MUON, "outer.momentum=0.6", "outer.lr=1.0"],
     },
     # The paper check at tuned settings (outer momentum from "tune_outer").
     "engine": {
