@@ -1,4 +1,4 @@
-"""muloco: low-communication distributed training of language models (DiLoCo, MuLoCo, Streaming DiLoCo).
+"""muloco: low-communication distributed training of language models (DiLoCo, MuLoCo).
 
 Map of the package (arrows point down only; see DESIGN.md):
     cli.py -> trainer.py -> replica.py, outer.py -> comm/

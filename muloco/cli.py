@@ -19,7 +19,7 @@ from muloco.errors import UserError
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="muloco", description="DiLoCo / MuLoCo / Streaming DiLoCo training")
+    parser = argparse.ArgumentParser(prog="muloco", description="DiLoCo / MuLoCo low-communication training")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in (
         ("train", "run one training job"),

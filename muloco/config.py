@@ -190,10 +190,10 @@ class OuterConfig(Section):
 
 class SyncConfig(Section):
     every: int = Field(30, gt=0, description="H: inner steps between synchronizations.")
-    fragments: int = Field(1, ge=1, description="Streaming DiLoCo P: fragments synced in turn.")
-    overlap: int = Field(0, ge=0, description="Streaming tau: inner steps a sync overlaps with compute.")
+    fragments: int = Field(1, ge=1, description="Streaming DiLoCo P (not implemented yet: must be 1).")
+    overlap: int = Field(0, ge=0, description="Streaming tau (not implemented yet: must be 0).")
     alpha: float = Field(
-        0.0, ge=0, le=1, description="Streaming mixing: local = alpha*local + (1-alpha)*global."
+        0.0, ge=0, le=1, description="Streaming mixing alpha (not implemented yet: must be 0)."
     )
 
     @model_validator(mode="after")
