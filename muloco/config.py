@@ -397,22 +397,23 @@ class Config(Section):
 # --- loading ----------------------------------------------------------------------------------------
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path, what: str = "config file") -> dict[str, Any]:
+    """A YAML file holding a mapping; any problem is a one-line ConfigError naming the file."""
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}; check the path")
+        raise ConfigError(f"{what} not found: {path}; check the path")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ConfigError(f"YAML syntax error in {path}{where}: {problem}; fix the file") from None
+        raise ConfigError(f"YAML syntax error in {what} {path}{where}: {problem}; fix the file") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"config file {path} is not UTF-8 text") from None
+        raise ConfigError(f"{what} {path} is not UTF-8 text") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+        raise ConfigError(f"{what} {path} must hold a mapping of keys, got {type(data).__name__}")
     return data
 
 
@@ -433,7 +434,7 @@ def load_raw(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     if path in _chain:
         cycle = " -> ".join(str(p.name) for p in (*_chain, path))
         raise ConfigError(f"extends: cycle in config files ({cycle}); remove one of the extends keys")
-    data = _read_yaml(path)
+    data = read_yaml(path)
     parents = data.pop("extends", None)
     if parents is None:
         return data

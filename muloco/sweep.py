@@ -39,7 +39,16 @@ from typing import Any
 
 import yaml
 
-from muloco.config import Config, _did_you_mean, apply_overrides, deep_merge, load_config, load_raw, validate
+from muloco.config import (
+    Config,
+    _did_you_mean,
+    apply_overrides,
+    deep_merge,
+    load_config,
+    load_raw,
+    read_yaml,
+    validate,
+)
 from muloco.errors import ConfigError, UserError
 
 log = logging.getLogger("muloco")
@@ -226,14 +235,7 @@ def _parse_exclude(rules: Any, grid: dict[str, list[Any]], where: str) -> list[d
 
 def load_sweep(path: str | Path) -> SweepSpec:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sweep file not found: {path}; check the path")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"YAML syntax error in sweep file {path}{at}; fix the file") from None
+    data = read_yaml(path, what="sweep file")
     return parse_sweep(data, path)
 
 
