@@ -357,8 +357,8 @@ class Trainer:
         )
         self._log(
             "sync",
-            train_loss=sum(losses) / len(losses),
-            pseudograd_norm=sum(norms) / len(norms),
+            train_loss=self._mean_over_processes(sum(losses), len(losses)),
+            pseudograd_norm=self._mean_over_processes(sum(norms), len(norms)),
             pseudograd_cosine=cosine,
             outer_update_norm=update_norm,
             outer_step=self.outer_steps,
@@ -388,9 +388,20 @@ class Trainer:
         self.step += 1
         self.bytes_sent += ring_allreduce_bytes(4 * self.num_params, K)
         if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:
-            self._log("train", train_loss=loss_sum / (len(self.dp_streams) * self.micro_batches))
+            count = len(self.dp_streams) * self.micro_batches
+            self._log("train", train_loss=self._mean_over_processes(loss_sum, count))
 
     # -- helpers of the loop --------------------------------------------------------------------------
+    def _mean_over_processes(self, total: float, count: int) -> float:
+        """Mean of a per-replica metric over all K replicas. A collective with several processes: every
+        rank calls it at the same point of the round."""
+        if self.backend.world_size > 1:
+            pair = self.backend.all_reduce_sum(
+                [torch.tensor([total, float(count)], dtype=torch.float64)]
+            ).wait()[0]
+            total, count = pair[0].item(), pair[1].item()
+        return total / count
+
     def _stop_requested(self) -> bool:
         """Whether any rank got SIGINT/SIGTERM. With several processes this is a collective (every rank
         calls it once per round), so all ranks stop after the same round rather than one waiting forever."""

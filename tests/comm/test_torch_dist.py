@@ -33,6 +33,11 @@ def launch(nproc, overrides, timeout=180):
     )
 
 
+def sync_losses(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train_loss"] for r in records if r["kind"] == "sync"]
+
+
 def final_global_params(run_dir: Path):
     state = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])
     return state["outer"]["params"]
@@ -81,6 +86,9 @@ def test_simulation_equals_4x1_and_2x2_processes(tmp_path, TINY, inner, compress
                 assert torch.allclose(a, b, rtol=rtol, atol=rtol * 0.1), (a - b).abs().max()
         summary = json.loads((tmp_path / f"p{nproc}" / "summary.json").read_text())
         assert summary["outer_steps"] == 2 and summary["workers"] == 4
+        # The logged train loss is the mean over all K replicas, whichever process hosts them.
+        losses = [sync_losses(tmp_path / name) for name in ("sim", f"p{nproc}")]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-4)
         assert (
             summary["bytes_sent_per_worker"]
             == json.loads((sim.run_dir / "summary.json").read_text())["bytes_sent_per_worker"]
