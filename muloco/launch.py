@@ -58,7 +58,13 @@ def launch(nproc: int, config: str, overrides: list[str], backend: str = "torch"
         cmd = [sys.executable, "-m", "muloco", "train", config, *overrides, f"backend.kind={backend}"]
         # Own process group: a terminal's Ctrl+C reaches the launcher only, which forwards it once.
         proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         procs.append(proc)
         tail: deque = deque(maxlen=20)
@@ -101,6 +107,25 @@ def launch(nproc: int, config: str, overrides: list[str], backend: str = "torch"
     last = next((line for line in reversed(tails[failed_rank]) if line.strip()), "")
     print(f"muloco: rank {failed_rank} exited with code {code}: {last}", file=sys.stderr)
     return code if code and code > 0 else 1
+
+
+def _load_prctl():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()  # loaded in the launcher: after fork (threads running) the child only calls it
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it if the launcher dies (even by SIGKILL), so no
+    rank is left waiting on a collective. Elsewhere a no-op."""
+    if _PRCTL is not None:
+        _PRCTL(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
 def _end_all(procs: list[subprocess.Popen]) -> None:

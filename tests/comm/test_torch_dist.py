@@ -241,3 +241,34 @@ def test_launcher_forwards_sigint_and_every_rank_checkpoints(tmp_path, TINY):
     assert list_checkpoints(tmp_path / "run" / "checkpoints") and list_checkpoints(
         tmp_path / "run" / "checkpoints" / "rank1"
     )
+
+
+def test_ranks_end_when_the_launcher_is_killed(tmp_path, TINY):
+    overrides = [
+        *TINY,
+        "workers=2",
+        "train.batch_tokens=512",
+        "train.total_tokens=400000",
+        "logging.progress=lines",
+        "run.name=run",
+        f"run.output_dir={tmp_path}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "muloco", "launch", "--nproc", "2", QS, *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert launcher.stdout.readline().startswith("[rank 0] kind=eval")
+        ranks = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(ranks) == 2
+        launcher.kill()  # SIGKILL: no chance to clean up; the kernel tells the ranks
+        launcher.wait(timeout=10)
+        gone, alive = psutil.wait_procs(ranks, timeout=60)
+        assert not alive
+    finally:
+        for p in psutil.Process().children(recursive=True):
+            p.kill()
