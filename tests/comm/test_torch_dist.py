@@ -272,3 +272,30 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path, TINY):
     finally:
         for p in psutil.Process().children(recursive=True):
             p.kill()
+
+
+def test_torchrun_works_with_the_local_backend_config(tmp_path, TINY):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "muloco",
+        "train",
+        QS,
+        *TINY,
+        "workers=2",
+        "train.batch_tokens=512",
+        "run.name=trun",
+        f"run.output_dir={tmp_path}",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "using backend.kind=torch" in result.stderr
+    assert json.loads((tmp_path / "trun" / "summary.json").read_text())["status"] == "completed"
+    assert list_checkpoints(tmp_path / "trun" / "checkpoints" / "rank1")
