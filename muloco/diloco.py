@@ -17,12 +17,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from muloco.codec import PseudogradientCodec, pack
+from muloco.codec import PseudogradientCodec
 from muloco.comm import Backend, LocalBackend
 from muloco.compress import Compressor, ErrorFeedback
 from muloco.config import CompressionConfig
 from muloco.models.roles import param_roles
 from muloco.outer import OuterOptimizer, pseudogradient
+from muloco.reduce import mean_compressed, mean_uncompressed
 
 
 class DiLoCo:
@@ -87,15 +88,12 @@ class DiLoCo:
         parameters. Every process must call it the same number of times. Returns the update norm."""
         params = list(self.model.parameters())
         delta = pseudogradient(self.outer.params, params)
+        K = self.backend.world_size  # one replica per process
         if self.codec is None:
-            delta = self.backend.all_reduce_sum(delta).wait()
-            for d in delta:
-                d.div_(self.backend.world_size)
+            delta = mean_uncompressed(self.backend, delta, K)
         else:
-            # Every process sends its encoded message and decodes everyone's, in rank order.
             message = self.codec.encode(delta, self.error_feedback)
-            blobs = self.backend.all_gather_bytes(pack([message])).wait()
-            delta = self.codec.decode_mean(blobs, self.backend.world_size, self.outer.params)
+            delta = mean_compressed(self.backend, self.codec, [message], K, self.outer.params)
         self.last_update_norm = self.outer.step(delta)
         for p, g in zip(params, self.outer.params, strict=True):
             p.copy_(g)

@@ -403,17 +403,6 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _previous_threads(run_dir: Path) -> int | None:
-    """train.threads of an unfinished run's config.yaml. It is part of the config fingerprint, so a
-    resumed run must keep it (else its checkpoint is refused as 'written with a different config')."""
-    try:
-        data = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-        threads = data["train"]["threads"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
-        return None
-    return threads if isinstance(threads, int) and threads > 0 else None
-
-
 def run_status(run_dir: Path) -> str:
     """completed | failed | interrupted (from summary.json), or `new` when there is none yet."""
     try:
@@ -484,7 +473,7 @@ def plan_sweep(spec: SweepSpec, threads: int | None) -> list[PlannedRun]:
     """Every run of the sweep, names assigned and configs validated (ConfigError names the bad run).
 
     threads: train.threads of each run (the CPU cores divided among the parallel jobs), unless the sweep
-    sets train.threads itself or an unfinished run already has a value."""
+    sets train.threads itself."""
     assignments = expand_grid(spec.grid, spec.zip_groups, spec.exclude)
     if not assignments:
         raise ConfigError(f"sweep file {spec.path}: exclude drops every run of the grid; loosen the rules")
@@ -512,12 +501,9 @@ def plan_sweep(spec: SweepSpec, threads: int | None) -> list[PlannedRun]:
         values = {**spec.fixed, **({"compression.scheme": "none"} if is_baseline else {}), **assignment}
         values["run.name"] = name
         values["run.output_dir"] = str(spec.output_dir)
-        if "train.threads" not in values:
-            run_threads = threads
-            if run_status(spec.output_dir / name) not in ("new", "completed"):
-                run_threads = _previous_threads(spec.output_dir / name) or threads
-            if run_threads is not None:
-                values["train.threads"] = run_threads
+        if "train.threads" not in values and threads is not None:
+            # Not part of the config fingerprint: an unfinished run resumes with whatever --jobs gives it.
+            values["train.threads"] = threads
         values.setdefault("logging.wandb_group", spec.name)
         cfg = resolver.config(values, name)
         overrides = resolver.overrides(cfg, list(values), name)

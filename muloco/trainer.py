@@ -26,7 +26,7 @@ from torch.profiler import record_function
 
 import muloco
 from muloco.checkpoint import find_resume_state, save_checkpoint
-from muloco.codec import PseudogradientCodec, pack
+from muloco.codec import PseudogradientCodec
 from muloco.comm import Backend, build_backend, ring_allgather_bytes, ring_allreduce_bytes
 from muloco.compress import ErrorFeedback
 from muloco.config import Config
@@ -37,11 +37,17 @@ from muloco.metrics import MetricsLogger, start_wandb
 from muloco.models import build_model, param_roles
 from muloco.optim import build_inner_optimizer
 from muloco.outer import OuterOptimizer
+from muloco.reduce import mean_compressed, mean_uncompressed
 from muloco.replica import Replica, forward_backward, set_lr_multiplier
 
 log = logging.getLogger("muloco")
 
 EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def global_norm(tensors: list[torch.Tensor]) -> float:
+    """The L2 norm of a list of tensors taken as one vector (one host sync, not one per tensor)."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))).item()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -304,18 +310,18 @@ class Trainer:
         #    replicas. Compressed: each replica encodes its own message, exactly what a node would send.
         #    The sum of unit vectors gives the mean pairwise cosine: sum_{j!=k} u_j.u_k = |sum u|^2 - k.
         with record_function("muloco::pseudogradients"):
+            k_local = len(self.replicas)
             delta_sum = [torch.zeros_like(p) for p in self.outer.params] if self.codec is None else None
-            unit_sum = [torch.zeros_like(p) for p in self.outer.params]
+            unit_sum = [torch.zeros_like(p) for p in self.outer.params] if k_local > 1 else None
             norms, messages = [], []
             for replica in self.replicas:
                 delta = replica.pseudogradient(self.outer.params)
-                norm = math.sqrt(sum(float(d.pow(2).sum()) for d in delta))
+                norm = global_norm(delta)
                 norms.append(norm)
-                for u, d in zip(unit_sum, delta, strict=True):
-                    u.add_(d, alpha=1.0 / max(norm, 1e-30))
+                if unit_sum is not None:
+                    torch._foreach_add_(unit_sum, delta, alpha=1.0 / max(norm, 1e-30))
                 if self.codec is None:
-                    for s_, d in zip(delta_sum, delta, strict=True):
-                        s_.add_(d)
+                    torch._foreach_add_(delta_sum, delta)
                 else:
                     messages.append(self.codec.encode(delta, replica.error_feedback))
                 del delta
@@ -325,16 +331,11 @@ class Trainer:
         #    same order; the local backend returns at once.
         with record_function("muloco::reduce"):
             if self.codec is None:
-                # fp32: one all-reduce (sum) across processes, then / K.
-                delta_sum = self.backend.all_reduce_sum(delta_sum).wait()
-                avg_delta = [s_.div_(K) for s_ in delta_sum]
+                avg_delta = mean_uncompressed(self.backend, delta_sum, K)
                 sent = ring_allreduce_bytes(4 * self.num_params, K)
                 payload_bytes = 4 * self.num_params
             else:
-                # Compressed: all-gather every process's messages; every process decodes all of them in
-                # replica order and averages, so all processes hold the same mean.
-                blobs = self.backend.all_gather_bytes(pack(messages)).wait()
-                avg_delta = self.codec.decode_mean(blobs, K, self.outer.params)
+                avg_delta = mean_compressed(self.backend, self.codec, messages, K, self.outer.params)
                 payload_bytes = sum(len(m) for m in messages) / len(messages)
                 sent = ring_allgather_bytes(payload_bytes, K)
         self.bytes_sent += sent
@@ -349,16 +350,16 @@ class Trainer:
         for replica in self.replicas:
             replica.load_global(self.outer.params)
 
-        k_local = len(self.replicas)
-        cosine = (
-            (sum(float(u.pow(2).sum()) for u in unit_sum) - k_local) / (k_local * (k_local - 1))
-            if k_local > 1
-            else None
+        cosine = None
+        if unit_sum is not None:
+            cosine = (global_norm(unit_sum) ** 2 - k_local) / (k_local * (k_local - 1))
+        train_loss, pseudograd_norm = self._means_over_processes(
+            (sum(losses), len(losses)), (sum(norms), len(norms))
         )
         self._log(
             "sync",
-            train_loss=self._mean_over_processes(sum(losses), len(losses)),
-            pseudograd_norm=self._mean_over_processes(sum(norms), len(norms)),
+            train_loss=train_loss,
+            pseudograd_norm=pseudograd_norm,
             pseudograd_cosine=cosine,
             outer_update_norm=update_norm,
             outer_step=self.outer_steps,
@@ -389,18 +390,17 @@ class Trainer:
         self.bytes_sent += ring_allreduce_bytes(4 * self.num_params, K)
         if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:
             count = len(self.dp_streams) * self.micro_batches
-            self._log("train", train_loss=self._mean_over_processes(loss_sum, count))
+            (train_loss,) = self._means_over_processes((loss_sum, count))
+            self._log("train", train_loss=train_loss)
 
     # -- helpers of the loop --------------------------------------------------------------------------
-    def _mean_over_processes(self, total: float, count: int) -> float:
-        """Mean of a per-replica metric over all K replicas. A collective with several processes: every
-        rank calls it at the same point of the round."""
+    def _means_over_processes(self, *sums_and_counts: tuple[float, int]) -> list[float]:
+        """Means of per-replica metrics over all K replicas, from each process's (sum, count) pairs. One
+        collective with several processes: every rank calls it at the same point of the round."""
+        values = torch.tensor([v for pair in sums_and_counts for v in pair], dtype=torch.float64)
         if self.backend.world_size > 1:
-            pair = self.backend.all_reduce_sum(
-                [torch.tensor([total, float(count)], dtype=torch.float64)]
-            ).wait()[0]
-            total, count = pair[0].item(), pair[1].item()
-        return total / count
+            values = self.backend.all_reduce_sum([values]).wait()[0]
+        return [(values[i] / values[i + 1]).item() for i in range(0, len(values), 2)]
 
     def _stop_requested(self) -> bool:
         """Whether any rank got SIGINT/SIGTERM. With several processes this is a collective (every rank

@@ -1,28 +1,15 @@
 """The `muloco` CLI end to end: a tiny run, bad input (exit 2, one line, no traceback), Ctrl+C."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from test_helpers import run_muloco as muloco
+from test_helpers import start_muloco
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def muloco(*args, timeout=120, **kwargs):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "muloco", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        **kwargs,
-    )
 
 
 def assert_clean_error(result, *needles):
@@ -91,7 +78,6 @@ def test_corrupt_checkpoint_when_resuming_is_a_clean_error(tmp_path, TINY):
 @pytest.mark.slow
 def test_sigint_checkpoints_and_exits_130(tmp_path, TINY):
     out = tmp_path / "runs"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     overrides = [
         *TINY,
         "train.total_tokens=400000",
@@ -100,13 +86,7 @@ def test_sigint_checkpoints_and_exits_130(tmp_path, TINY):
         f"run.output_dir={out}",
         "run.name=run",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "muloco", "train", ROOT / "configs/quickstart.yaml", *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    proc = start_muloco("train", ROOT / "configs/quickstart.yaml", *overrides)
     try:
         assert proc.stdout.readline().startswith("kind=eval")  # training has started
         time.sleep(0.5)

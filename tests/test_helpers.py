@@ -1,5 +1,9 @@
 """Shared helpers for tests (importable because pyproject sets pytest's pythonpath to tests/)."""
 
+import os
+import subprocess
+import sys
+
 import torch
 
 from muloco.data import ReplicaStream
@@ -31,3 +35,20 @@ def hand_inner_steps(cfg, trainer, replica_index, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return params_of(model)
+
+
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    # One thread per process: tests start several on 2 cores, and results stay deterministic.
+    return {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
+
+
+def run_muloco(*args, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m muloco ARGS` to completion, output captured."""
+    cmd = [sys.executable, "-m", "muloco", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(env))
+
+
+def start_muloco(*args, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m muloco ARGS` in the background, stdout and stderr piped; the caller must end it."""
+    cmd = [sys.executable, "-m", "muloco", *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env))

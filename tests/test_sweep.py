@@ -1,14 +1,12 @@
 """Sweeps: grid/zip/exclude expansion, DP baselines, run names, up-front validation, resume, the CLI."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import TINY
+from test_helpers import run_muloco as muloco
 
 from muloco.config import load_config, parse_override
 from muloco.errors import ConfigError
@@ -257,8 +255,9 @@ def test_a_failed_run_makes_the_sweep_exit_1_and_name_it(tmp_path, monkeypatch, 
     assert (tmp_path / "out" / "report.md").is_file()  # the report covers what finished
 
 
-def test_an_unfinished_run_keeps_its_thread_count(tmp_path):
-    # train.threads is part of the config fingerprint: a resumed run must not change it.
+def test_an_unfinished_run_can_resume_with_another_thread_count(tmp_path):
+    # train.threads is not part of the config fingerprint, so the checkpoint of a run planned with other
+    # --jobs is still accepted.
     spec = load_sweep(write_sweep(tmp_path, {"grid": {"workers": [1, 2]}}))
     first = plan_sweep(spec, threads=2)
     run_dir = first[0].run_dir
@@ -266,21 +265,11 @@ def test_an_unfinished_run_keeps_its_thread_count(tmp_path):
     (run_dir / "config.yaml").write_text(first[0].config.to_yaml())
     (run_dir / "summary.json").write_text(json.dumps({"status": "interrupted"}))
     again = plan_sweep(spec, threads=1)
-    assert again[0].config.train.threads == 2 and again[1].config.train.threads == 1
+    assert again[0].config.train.threads == 1 and first[0].config.train.threads == 2
+    assert again[0].config.fingerprint() == first[0].config.fingerprint()
 
 
 # --- the CLI -------------------------------------------------------------------------------------------
-
-
-def muloco(*args, timeout=120):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "muloco", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
 
 
 def test_malformed_sweep_exits_2_with_one_line(tmp_path):

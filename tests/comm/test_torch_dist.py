@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from test_helpers import run_muloco, start_muloco
 
 from muloco.checkpoint import list_checkpoints, load_checkpoint
 from muloco.config import load_config
@@ -23,14 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def launch(nproc, overrides, timeout=180):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "muloco", "launch", "--nproc", str(nproc), QS, *overrides],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    return run_muloco("launch", "--nproc", nproc, QS, *overrides, timeout=timeout)
 
 
 def sync_losses(run_dir: Path) -> list[float]:
@@ -114,34 +108,15 @@ def test_mismatched_configs_across_ranks_stop_with_a_clear_message(tmp_path, TIN
     port = free_port()
     procs = []
     for rank, lr in ((0, "0.02"), (1, "0.03")):
-        env = {
-            **os.environ,
+        dist_env = {
             "RANK": str(rank),
             "WORLD_SIZE": "2",
             "LOCAL_RANK": str(rank),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
         }
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "muloco",
-                    "train",
-                    QS,
-                    *TINY,
-                    f"inner.lr={lr}",
-                    f"run.output_dir={tmp_path}",
-                    "backend.torch.timeout_s=60",
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        overrides = [*TINY, f"inner.lr={lr}", f"run.output_dir={tmp_path}", "backend.torch.timeout_s=60"]
+        procs.append(start_muloco("train", QS, *overrides, env=dist_env))
     try:
         outputs = [p.communicate(timeout=120) for p in procs]
     finally:
@@ -167,14 +142,7 @@ def test_killed_rank_stops_the_launcher_and_resume_completes(tmp_path, TINY):
         f"run.output_dir={tmp_path}",
         "backend.torch.timeout_s=60",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "muloco", "launch", "--nproc", "2", QS, *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    launcher = start_muloco("launch", "--nproc", 2, QS, *overrides)
     try:
         ckpt_dir = tmp_path / "run" / "checkpoints" / "rank1"
         deadline = time.monotonic() + 90
@@ -218,14 +186,7 @@ def test_launcher_forwards_sigint_and_every_rank_checkpoints(tmp_path, TINY):
         "run.name=run",
         f"run.output_dir={tmp_path}",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "muloco", "launch", "--nproc", "2", QS, *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    launcher = start_muloco("launch", "--nproc", 2, QS, *overrides)
     try:
         line = launcher.stdout.readline()  # rank 0's first eval line: training has started
         assert line.startswith("[rank 0] kind=eval"), line
@@ -253,14 +214,7 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path, TINY):
         "run.name=run",
         f"run.output_dir={tmp_path}",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "muloco", "launch", "--nproc", "2", QS, *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    launcher = start_muloco("launch", "--nproc", 2, QS, *overrides)
     try:
         assert launcher.stdout.readline().startswith("[rank 0] kind=eval")
         ranks = psutil.Process(launcher.pid).children(recursive=True)
