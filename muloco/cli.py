@@ -5,6 +5,7 @@
     muloco config CONFIG [KEY=VALUE ...]    print the resolved, validated config
     muloco sweep SWEEP.yaml [--jobs J]      a grid of runs, resumable; writes summary.csv, report.md, plots
     muloco report DIR                       tables and plots from finished run directories
+    muloco plan --params 150M ...           projected time per outer step on a WAN link (DDP vs DiLoCo ...)
 
 Bad input exits with code 2 and one line naming the field or file and the fix; never a traceback.
 """
@@ -41,6 +42,27 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--dry-run", action="store_true", help="list the runs and their overrides, run nothing"
     )
+    plan = sub.add_parser(
+        "plan", help="project time per outer step and network wait on a link: DDP, DiLoCo, MuLoCo, streaming"
+    )
+    plan.add_argument("--params", default="150M", help="model size: a count (150M, 1.3B) or a preset name")
+    plan.add_argument("--workers", type=int, default=4, help="K, DiLoCo workers")
+    plan.add_argument("--sync-every", type=int, default=30, help="H, inner steps per outer step")
+    plan.add_argument("--bits", type=int, default=4, help="bits of the compressed MuLoCo rows")
+    plan.add_argument("--fragments", type=int, default=3, help="streaming P")
+    plan.add_argument("--overlap", type=int, default=2, help="streaming tau (inner steps)")
+    plan.add_argument(
+        "--bandwidth-mbps", type=float, nargs="+", default=[100.0, 1000.0], help="link bandwidths (Mbit/s)"
+    )
+    plan.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency per ring hop (ms)")
+    plan.add_argument("--step-time-s", type=float, help="one worker's inner-step compute time (s)")
+    plan.add_argument(
+        "--tokens-per-step", type=int, default=16384, help="tokens per worker step, to estimate the step time"
+    )
+    plan.add_argument(
+        "--tflops", type=float, default=100.0, help="sustained TFLOP/s, to estimate the step time"
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
     report = sub.add_parser("report", help="summary.csv, report.md and plots from the run dirs under DIR")
     report.add_argument("directory", metavar="DIR", help="a sweep directory, or any directory of run dirs")
     return parser
@@ -101,6 +123,61 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_params(text: str) -> float:
+    from muloco.config import MODEL_PRESETS, load_config
+    from muloco.models import build_model
+    from muloco.wan import parse_count
+
+    if text in MODEL_PRESETS:
+        cfg = load_config(None, [f"model.preset={text}"])
+        return float(sum(p.numel() for p in build_model(cfg.model, 256).parameters()))
+    try:
+        return parse_count(text)
+    except ValueError:
+        raise UserError(
+            f"--params: {text!r} is neither a count (150M, 1.3B) nor a preset ({', '.join(MODEL_PRESETS)})"
+        ) from None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from muloco.wan import Link, estimate_step_seconds, format_plan, plan, plan_as_dict
+
+    params = _plan_params(args.params)
+    for name in ("workers", "sync_every", "fragments"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.bits not in (1, 2, 4, 8):
+        raise UserError(f"--bits must be 1, 2, 4 or 8, got {args.bits}")
+    if args.overlap < 0 or args.overlap * args.fragments >= args.sync_every:
+        raise UserError("--overlap must be >= 0 and below --sync-every / --fragments")
+    if any(b <= 0 for b in args.bandwidth_mbps) or args.latency_ms < 0 or args.tflops <= 0:
+        raise UserError("--bandwidth-mbps and --tflops must be > 0, --latency-ms >= 0")
+    step = args.step_time_s
+    if step is None:
+        step = estimate_step_seconds(params, args.tokens_per_step, args.tflops)
+    elif step <= 0:
+        raise UserError("--step-time-s must be > 0")
+    results = []
+    for bandwidth in args.bandwidth_mbps:
+        link = Link(bandwidth, args.latency_ms)
+        rows = plan(
+            params, args.workers, args.sync_every, step, link, args.bits, args.fragments, args.overlap
+        )
+        results.append((bandwidth, rows))
+    if args.json:
+        print(json.dumps([{"bandwidth_mbps": b, "rows": plan_as_dict(r)} for b, r in results], indent=2))
+        return 0
+    print(
+        f"params={params / 1e6:.1f}M workers={args.workers} H={args.sync_every} step_time={step:.3f}s "
+        f"latency={args.latency_ms}ms (time per outer step = H inner steps)"
+    )
+    for bandwidth, rows in results:
+        print(f"\nlink {bandwidth:g} Mbit/s\n{format_plan(rows)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging()
@@ -110,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "launch": cmd_launch,
         "sweep": cmd_sweep,
         "report": cmd_report,
+        "plan": cmd_plan,
     }
     try:
         return commands[args.command](args)

@@ -162,6 +162,11 @@ class InnerConfig(Section):
     adjust_lr: Literal["spectral", "original", "match_rms_adamw"] = Field(
         "spectral", description="Muon per-matrix lr scale (see docs/optimizers.md)."
     )
+    distributed_muon: bool = Field(
+        True,
+        description="With ranks_per_worker > 1: each Muon matrix's momentum and Newton-Schulz run on one "
+        "owner rank of the worker, results all-gathered (false: every rank repeats them).",
+    )
     muon_params: list[str] = Field(
         default_factory=list, description="Regexes of parameter names forced onto Muon (must be >= 2-D)."
     )
@@ -189,21 +194,59 @@ class OuterConfig(Section):
 
 
 class SyncConfig(Section):
-    every: int = Field(30, gt=0, description="H: inner steps between synchronizations.")
-    fragments: int = Field(1, ge=1, description="Streaming DiLoCo P (not implemented yet: must be 1).")
-    overlap: int = Field(0, ge=0, description="Streaming tau (not implemented yet: must be 0).")
+    every: int = Field(30, gt=0, description="H: inner steps between two syncs of the same fragment.")
+    fragments: int = Field(
+        1,
+        ge=1,
+        description="Streaming DiLoCo P: the parameters sync in P fragments (groups of transformer blocks) "
+        "at staggered steps, fragment p when step mod H == floor(p H / P); 1 = plain DiLoCo.",
+    )
+    overlap: int = Field(
+        0,
+        ge=0,
+        description="Streaming tau: a fragment's sync started at step t is applied at t + tau while the "
+        "inner steps go on (tau x P < H).",
+    )
     alpha: float = Field(
-        0.0, ge=0, le=1, description="Streaming mixing alpha (not implemented yet: must be 0)."
+        0.0,
+        ge=0,
+        le=1,
+        description="Streaming merge: local <- alpha local + (1 - alpha) global_new; 0 = replace.",
+    )
+    fragment_pattern: Literal["strided", "sequential"] = Field(
+        "strided",
+        description="strided: block i joins fragment i mod P (the paper's choice); sequential: "
+        "consecutive blocks.",
+    )
+    embedding_fragment: int = Field(
+        0, description="Fragment of the parameters before the first block (embeddings); -1 = the last."
+    )
+    head_fragment: int = Field(
+        -1, description="Fragment of the parameters after the last block (final norm, head); 0 = the first."
     )
 
     @model_validator(mode="after")
-    def _streaming_not_yet(self) -> SyncConfig:
-        if self.fragments != 1 or self.overlap != 0 or self.alpha != 0.0:
+    def _check_streaming(self) -> SyncConfig:
+        P, H = self.fragments, self.every
+        if P > H:
             raise ValueError(
-                "sync.fragments/overlap/alpha (Streaming DiLoCo) are not implemented yet; "
-                "keep fragments: 1, overlap: 0, alpha: 0.0"
+                f"sync.fragments ({P}) exceeds sync.every ({H}): each fragment needs its own step; "
+                f"use sync.fragments <= {H}"
             )
+        if self.overlap * P >= H:
+            raise ValueError(
+                f"sync.overlap ({self.overlap}) must be below sync.every / sync.fragments ({H}/{P}) so a "
+                f"sync is applied before the next fragment's starts; use sync.overlap <= {(H - 1) // P}"
+            )
+        for field in ("embedding_fragment", "head_fragment"):
+            value = getattr(self, field)
+            if not -P <= value < P:
+                raise ValueError(f"sync.{field} ({value}) must be in [-{P}, {P - 1}] for {P} fragments")
         return self
+
+    @property
+    def streaming(self) -> bool:
+        return self.fragments > 1 or self.overlap > 0 or self.alpha > 0
 
 
 class CompressionConfig(Section):
@@ -257,7 +300,15 @@ class CompressionConfig(Section):
 
 
 class LocalBackendConfig(Section):
-    pass
+    bandwidth_mbps: float | None = Field(
+        None,
+        gt=0,
+        description="WAN planner: project the run's wall-clock as if each worker had this upload "
+        "bandwidth (Mbit/s); reported in summary.json as projected_*. null = no projection.",
+    )
+    latency_ms: float = Field(
+        0.0, ge=0, description="WAN planner: one-way latency per ring hop (ms), with bandwidth_mbps."
+    )
 
 
 class TorchBackendConfig(Section):
@@ -318,6 +369,13 @@ class Config(Section):
         "diloco", description="diloco (MuLoCo = diloco + muon) | dp (data-parallel baseline)."
     )
     workers: int = Field(1, gt=0, description="K: total replicas in the run.")
+    ranks_per_worker: int = Field(
+        1,
+        gt=0,
+        description="R: processes per DiLoCo worker (docs/topology.md). They split each inner step's "
+        "micro-batches and all-reduce gradients every step; only the worker's first rank syncs "
+        "pseudogradients with the other workers. Launch K/k x R processes.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when present, else CPU.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -352,6 +410,23 @@ class Config(Section):
             raise ValueError(
                 f"train.total_tokens ({self.train.total_tokens}) is smaller than one step "
                 f"(train.batch_tokens = {self.train.batch_tokens}); raise it"
+            )
+        if self.ranks_per_worker > 1:
+            if self.method == "dp":
+                raise ValueError(
+                    "ranks_per_worker applies to method: diloco (with method: dp every process is a data-"
+                    "parallel rank already); set ranks_per_worker=1"
+                )
+            micro = self.train.micro_batch_tokens or self.worker_batch_tokens
+            if (self.worker_batch_tokens // micro) % self.ranks_per_worker != 0:
+                raise ValueError(
+                    f"ranks_per_worker ({self.ranks_per_worker}) must divide a worker's micro-batches per "
+                    f"step ({self.worker_batch_tokens // micro}); set train.micro_batch_tokens to fit"
+                )
+        if self.method == "dp" and self.sync.streaming:
+            raise ValueError(
+                "sync.fragments/overlap/alpha (Streaming DiLoCo) apply to method: diloco; with method: dp "
+                "keep sync.fragments=1, sync.overlap=0, sync.alpha=0"
             )
         if self.method == "dp" and self.compression.scheme != "none":
             raise ValueError(

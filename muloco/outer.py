@@ -61,9 +61,16 @@ class OuterOptimizer:
     def num_params(self) -> int:
         return sum(p.numel() for p in self.params)
 
-    def step(self, avg_pseudogradients: list[torch.Tensor]) -> float:
+    def step(self, avg_pseudogradients: list[torch.Tensor], indices: list[int] | None = None) -> float:
+        """One outer step on all parameters, or on those at `indices` (a Streaming DiLoCo fragment: the
+        update is elementwise, so a fragment's momentum buffers are its own outer optimizer state)."""
+        if indices is None:
+            params, buffers = self.params, self.momentum_buffers
+        else:
+            params = [self.params[i] for i in indices]
+            buffers = [self.momentum_buffers[i] for i in indices]
         return nesterov_outer_step(
-            self.params, avg_pseudogradients, self.momentum_buffers, self.lr, self.momentum, self.nesterov
+            params, avg_pseudogradients, buffers, self.lr, self.momentum, self.nesterov
         )
 
     def state_dict(self) -> dict:

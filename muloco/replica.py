@@ -49,6 +49,10 @@ class Replica:
         self.device = device
         self.compute_time_s = 0.0  # measured inner-step time, summed over the run
         self.error_feedback = None  # an ErrorFeedback when compression.error_feedback is on
+        # A worker of R ranks (docs/topology.md): this rank computes micro-batches shard_index, +R, ... of
+        # each step and the gradients are summed over the worker's ranks before the optimizer step.
+        self.shard_index, self.shard_count = 0, 1
+        self.worker = None  # the worker's Backend when R > 1
 
     def train_step(
         self,
@@ -58,25 +62,51 @@ class Replica:
         grad_clip: float,
         autocast: Callable[[], contextlib.AbstractContextManager],
     ) -> float:
-        """One inner step on this replica's next batch; returns the mean training loss."""
+        """One inner step on this replica's next batch; returns the mean training loss (with R ranks per
+        worker: this rank's share of it, the shares sum to the mean)."""
         set_lr_multiplier(self.optimizer, lr_multiplier)
-        batches = (self.stream.next_batch(seqs_per_micro) for _ in range(micro_batches))
+        if self.worker is None:
+            batches = (self.stream.next_batch(seqs_per_micro) for _ in range(micro_batches))
+        else:  # every rank reads the whole step (same stream position), computes its share
+            everything = [self.stream.next_batch(seqs_per_micro) for _ in range(micro_batches)]
+            batches = everything[self.shard_index :: self.shard_count]
         loss_sum = forward_backward(self.model, batches, 1.0 / micro_batches, self.device, autocast)
+        if self.worker is not None:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()]
+            self.worker.all_reduce_sum(grads).wait()
+            for p, g in zip(self.model.parameters(), grads, strict=True):
+                p.grad = g
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / micro_batches
 
-    def pseudogradient(self, global_params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """delta = theta_global - theta_replica, in fp32 on the global parameters' device."""
-        return pseudogradient(global_params, list(self.model.parameters()))
+    def pseudogradient(
+        self, global_params: list[torch.Tensor], indices: list[int] | None = None
+    ) -> list[torch.Tensor]:
+        """delta = theta_global - theta_replica, in fp32 on the global parameters' device; for the
+        parameters at `indices` only (a fragment) when given."""
+        local = list(self.model.parameters())
+        if indices is None:
+            return pseudogradient(global_params, local)
+        return pseudogradient([global_params[i] for i in indices], [local[i] for i in indices])
 
     @torch.no_grad()
     def load_global(self, global_params: list[torch.Tensor]) -> None:
         """Reset the replica's parameters to the global ones (the DiLoCo merge with alpha = 0)."""
         for p, g in zip(self.model.parameters(), global_params, strict=True):
             p.copy_(g)
+
+    @torch.no_grad()
+    def merge_global(self, global_params: list[torch.Tensor], indices: list[int], alpha: float) -> None:
+        """Streaming merge of the parameters at `indices`: local <- alpha local + (1 - alpha) global."""
+        local = list(self.model.parameters())
+        for i in indices:
+            if alpha == 0.0:
+                local[i].copy_(global_params[i])
+            else:
+                local[i].lerp_(global_params[i].to(local[i].device, local[i].dtype), 1.0 - alpha)
 
     def move_to(self, device: torch.device) -> None:
         """Move parameters and optimizer state (simulation.offload keeps inactive replicas on the CPU)."""

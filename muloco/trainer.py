@@ -18,6 +18,7 @@ import os
 import signal
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ from torch.profiler import record_function
 import muloco
 from muloco.checkpoint import find_resume_state, save_checkpoint
 from muloco.codec import PseudogradientCodec
-from muloco.comm import Backend, build_backend, ring_allgather_bytes, ring_allreduce_bytes
+from muloco.comm import Backend, CompletedHandle, build_backend, ring_allgather_bytes, ring_allreduce_bytes
+from muloco.comm.topology import build_topology
 from muloco.compress import ErrorFeedback
 from muloco.config import Config
 from muloco.data import ReplicaStream, load_data, val_batches
@@ -37,12 +39,42 @@ from muloco.metrics import MetricsLogger, start_wandb
 from muloco.models import build_model, param_roles
 from muloco.optim import build_inner_optimizer
 from muloco.outer import OuterOptimizer
-from muloco.reduce import mean_compressed, mean_uncompressed
+from muloco.reduce import PendingMean, share_with_worker, start_mean_compressed, start_mean_uncompressed
 from muloco.replica import Replica, forward_backward, set_lr_multiplier
+from muloco.schedule import SyncSchedule, assign_fragments
+from muloco.wan import Link, allreduce_seconds, sync_seconds
 
 log = logging.getLogger("muloco")
 
 EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+@dataclass
+class InFlightSync:
+    """A fragment's sync between its start (pseudogradients sent) and its application (outer step)."""
+
+    fragment: int
+    started_step: int
+    apply_step: int
+    result: PendingMean
+    stats: dict[str, Any] = field(default_factory=dict)  # what the sync's log record reports
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointing drains the transfer (waits for the mean) and saves the mean itself, so a resumed
+        run applies exactly the same update at the same step."""
+        return {
+            "fragment": self.fragment,
+            "started_step": self.started_step,
+            "apply_step": self.apply_step,
+            "mean": self.result.wait(),
+            "stats": self.stats,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> InFlightSync:
+        mean = state["mean"]
+        result = PendingMean(CompletedHandle(mean), lambda m: m)
+        return cls(state["fragment"], state["started_step"], state["apply_step"], result, state["stats"])
 
 
 def global_norm(tensors: list[torch.Tensor]) -> float:
@@ -101,12 +133,16 @@ class Trainer:
         rank = self.backend.rank
         self.checkpoint_dir = self.run_dir / "checkpoints" / ("" if rank == 0 else f"rank{rank}")
 
-        K, P = cfg.workers, self.backend.world_size
-        if K % P != 0:
+        # Workers of R ranks each (R = 1: one process per worker group, DESIGN.md); a worker group of
+        # processes hosts K / G of the replicas.
+        self.topology = build_topology(self.backend, cfg.ranks_per_worker)
+        K, G, g = cfg.workers, self.topology.num_workers, self.topology.worker_index
+        if K % G != 0:
             raise UserError(
-                f"workers ({K}) must be divisible by the number of processes ({P}); change workers"
+                f"workers ({K}) must be divisible by the number of processes / ranks_per_worker ({G}); "
+                "change workers"
             )
-        self.local_indices = list(range(self.backend.rank * (K // P), (self.backend.rank + 1) * (K // P)))
+        self.local_indices = list(range(g * (K // G), (g + 1) * (K // G)))
 
         seq_len = cfg.model.seq_len
         self.data = load_data(cfg.data, seq_len)
@@ -125,17 +161,26 @@ class Trainer:
         streams = [ReplicaStream(self.data.train, seq_len, r, K, cfg.run.seed) for r in self.local_indices]
         self.replicas, self.dp_streams = self._build_replicas(template, streams)
         self.outer = self._build_outer(template) if cfg.method == "diloco" else None
-        self.codec = None
-        if cfg.method == "diloco" and cfg.compression.scheme != "none":
-            names = [name for name, _ in template.named_parameters()]
-            self.codec = PseudogradientCodec.from_config(names, param_roles(template), cfg.compression)
-        self.payload_bytes_last = None
+        self.fragments, self.codecs = self._build_fragments(template) if self.outer else ([], [])
+        self.schedule = SyncSchedule(cfg.sync.every, cfg.sync.fragments, cfg.sync.overlap)
+        bandwidth = cfg.backend.local.bandwidth_mbps
+        self.link = Link(bandwidth, cfg.backend.local.latency_ms) if bandwidth else None
         self.autocast = self._autocast_factory()
 
         # Counters that a checkpoint carries.
         self.step = 0  # inner steps taken by every replica
         self.outer_steps = 0
+        self.fragment_syncs = 0  # = outer_steps x P with streaming fragments
         self.bytes_sent = 0.0  # per worker
+        self.peak_bytes_per_sync = 0.0  # per worker, the largest single sync event
+        self.payload_by_fragment: dict[int, float] = {}  # one replica's message of the latest sync
+        self.in_flight: list[InFlightSync] = []
+        self.unsynced = [False] * len(self.fragments)  # inner steps not yet covered by a started sync
+        self.round_losses: list[float] = []  # train losses since the last sync started
+        self.comm_wait_s = 0.0  # time blocked waiting for reductions
+        self.worker_compute_s = 0.0  # one worker's inner-step compute (mean over replicas), all sessions
+        self.projected_network_s = 0.0  # WAN planner (backend.local.bandwidth_mbps): transfer time
+        self.projected_wait_s = 0.0  # ... and the part of it not hidden behind overlapped inner steps
         self.elapsed_before = 0.0  # wall time of earlier sessions of this run (resume)
         self.val_losses: list[tuple[int, float]] = []
         self.stop_signal: int | None = None
@@ -154,14 +199,41 @@ class Trainer:
             )
             return [replica], streams
         home = torch.device("cpu") if self.offload else self.device
+        worker = self.topology.worker
+        # Distributed Muon: each matrix's momentum and Newton-Schulz on one rank of the worker.
+        owners = worker.group if worker is not None and cfg.inner.distributed_muon else None
         replicas = []
         for index, stream in zip(self.local_indices, streams, strict=True):
             model = copy.deepcopy(template).to(home)
-            replica = Replica(index, model, build_inner_optimizer(model, cfg.inner), stream, self.device)
+            optimizer = build_inner_optimizer(model, cfg.inner, process_group=owners)
+            replica = Replica(index, model, optimizer, stream, self.device)
+            if worker is not None:
+                replica.worker = worker
+                replica.shard_index, replica.shard_count = self.topology.local_rank, worker.world_size
             if cfg.compression.error_feedback and cfg.compression.scheme != "none":
                 replica.error_feedback = ErrorFeedback(cfg.compression.ef_decay, cfg.compression.ef_alpha)
             replicas.append(replica)
         return replicas, []
+
+    def _build_fragments(self, template) -> tuple[list[list[int]], list[PseudogradientCodec]]:
+        """Parameter indices of each sync fragment (one fragment unless streaming) and, with compression,
+        one codec per fragment."""
+        sync = self.cfg.sync
+        names = [name for name, _ in template.named_parameters()]
+        try:
+            owner = assign_fragments(
+                names, sync.fragments, sync.fragment_pattern, sync.embedding_fragment, sync.head_fragment
+            )
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        fragments = [[i for i, p in enumerate(owner) if p == f] for f in range(sync.fragments)]
+        codecs = []
+        if self.cfg.compression.scheme != "none":
+            roles = param_roles(template)
+            for indices in fragments:
+                subset = [names[i] for i in indices]
+                codecs.append(PseudogradientCodec.from_config(subset, roles, self.cfg.compression))
+        return fragments, codecs
 
     def _build_outer(self, template) -> OuterOptimizer:
         outer = self.cfg.outer
@@ -221,6 +293,15 @@ class Trainer:
         torch.set_rng_state(state["rng"])
         self.step, self.outer_steps = state["step"], state["outer_steps"]
         self.bytes_sent, self.elapsed_before = state["bytes_sent"], state["elapsed_s"]
+        sync = state["sync"]  # (checkpoints of muloco <= 0.1 lack it and cannot resume streaming runs)
+        self.fragment_syncs, self.unsynced = sync["fragment_syncs"], sync["unsynced"]
+        self.in_flight = [InFlightSync.from_state_dict(s) for s in sync["in_flight"]]
+        self.round_losses, self.comm_wait_s = sync["round_losses"], sync["comm_wait_s"]
+        self.peak_bytes_per_sync = sync["peak_bytes_per_sync"]
+        self.payload_by_fragment = dict(sync["payload_by_fragment"])
+        self.worker_compute_s = sync["worker_compute_s"]
+        self.projected_network_s = sync["projected_network_s"]
+        self.projected_wait_s = sync["projected_wait_s"]
         self.val_losses = [tuple(v) for v in state["val_losses"]]
         self.resumed_from = path
         log.info("resumed checkpoint=%s step=%d outer_steps=%d", path, self.step, self.outer_steps)
@@ -282,90 +363,186 @@ class Trainer:
         return summary
 
     def _diloco_round(self) -> None:
-        """One DiLoCo round: H inner steps on every replica, then one synchronization."""
-        cfg, K = self.cfg, self.cfg.workers
-        H = min(cfg.sync.every, self.total_steps - self.step)
+        """Inner steps up to the next sync event, then the syncs due at that step. Plain DiLoCo (one fragment,
+        tau = 0): H inner steps, then one sync. Streaming: fragments start and finish at staggered steps
+        (schedule.py); a sync started at t is applied at t + tau while the inner steps go on."""
+        cfg = self.cfg
+        end = min(self._next_sync_event(), self.total_steps)
 
-        # 1. Inner steps: each replica trains alone on its own data stream, H steps.
-        losses = []
+        # 1. Inner steps: each replica trains alone on its own data stream until the next event.
+        segment_times = []
         with record_function("muloco::inner_steps"):
             for replica in self.replicas:
                 self._activate(replica)
                 t0 = time.perf_counter()
-                for i in range(H):
-                    lr_mult = self._lr_multiplier(self.step + i)
-                    losses.append(
+                for step in range(self.step, end):
+                    self.round_losses.append(
                         replica.train_step(
                             self.micro_batches,
                             self.seqs_per_micro,
-                            lr_mult,
+                            self._lr_multiplier(step),
                             cfg.train.grad_clip,
                             self.autocast,
                         )
                     )
-                replica.compute_time_s += time.perf_counter() - t0
-        self.step += H
+                segment_times.append(time.perf_counter() - t0)
+                replica.compute_time_s += segment_times[-1]
+                self._deactivate(replica)
+        self.worker_compute_s += sum(segment_times) / len(segment_times)
+        self.step = end
+        self.unsynced = [True] * len(self.fragments)
+
+        # 2. Syncs in flight that are due are applied first (at the last step: all of them). Then the
+        #    fragments scheduled now start theirs; at the last step every fragment with unsynced steps
+        #    syncs at once, so the final global parameters hold every worker's last steps.
+        last = self.step >= self.total_steps
+        for sync in [s for s in self.in_flight if last or s.apply_step <= self.step]:
+            self._finish_sync(sync)
+        due = self.schedule.starting_at(self.step)
+        if last:
+            due = [p for p, unsynced in enumerate(self.unsynced) if unsynced]
+        for fragment in due:
+            sync = self._start_sync(fragment, delay=0 if last else cfg.sync.overlap)
+            if sync.apply_step <= self.step:
+                self._finish_sync(sync)
+
+    def _start_sync(self, fragment: int, delay: int) -> InFlightSync:
+        """Steps 2-3 of a sync: the fragment's pseudogradients, compressed, and their mean started."""
+        K = self.cfg.workers
+        indices = self.fragments[fragment]
+        codec = self.codecs[fragment] if self.codecs else None
+        global_params = [self.outer.params[i] for i in indices]
 
         # 2. Pseudogradients delta_k = theta_global - theta_k. Uncompressed: summed over this process's
         #    replicas. Compressed: each replica encodes its own message, exactly what a node would send.
         #    The sum of unit vectors gives the mean pairwise cosine: sum_{j!=k} u_j.u_k = |sum u|^2 - k.
         with record_function("muloco::pseudogradients"):
             k_local = len(self.replicas)
-            delta_sum = [torch.zeros_like(p) for p in self.outer.params] if self.codec is None else None
-            unit_sum = [torch.zeros_like(p) for p in self.outer.params] if k_local > 1 else None
+            delta_sum = [torch.zeros_like(p) for p in global_params] if codec is None else None
+            unit_sum = [torch.zeros_like(p) for p in global_params] if k_local > 1 else None
             norms, messages = [], []
             for replica in self.replicas:
-                delta = replica.pseudogradient(self.outer.params)
+                self._activate(replica)
+                delta = replica.pseudogradient(self.outer.params, indices)
                 norm = global_norm(delta)
                 norms.append(norm)
                 if unit_sum is not None:
                     torch._foreach_add_(unit_sum, delta, alpha=1.0 / max(norm, 1e-30))
-                if self.codec is None:
+                if codec is None:
                     torch._foreach_add_(delta_sum, delta)
                 else:
-                    messages.append(self.codec.encode(delta, replica.error_feedback))
+                    messages.append(codec.encode(delta, replica.error_feedback))
                 del delta
                 self._deactivate(replica)
+        self.unsynced[fragment] = False
 
-        # 3. Reduce to the mean over all K replicas. Every process must call these collectives, in the
-        #    same order; the local backend returns at once.
+        # 3. Start the mean over all K replicas. Every process must call these collectives, in the same
+        #    order; the local backend completes at once, torch.distributed works in the background.
         with record_function("muloco::reduce"):
-            if self.codec is None:
-                avg_delta = mean_uncompressed(self.backend, delta_sum, K)
-                sent = ring_allreduce_bytes(4 * self.num_params, K)
-                payload_bytes = 4 * self.num_params
+            numel = sum(p.numel() for p in global_params)
+            result = self._start_mean(delta_sum, codec, messages, global_params)
+            if codec is None:
+                payload_bytes = 4 * numel
+                sent = ring_allreduce_bytes(payload_bytes, K)
             else:
-                avg_delta = mean_compressed(self.backend, self.codec, messages, K, self.outer.params)
                 payload_bytes = sum(len(m) for m in messages) / len(messages)
                 sent = ring_allgather_bytes(payload_bytes, K)
         self.bytes_sent += sent
-        self.payload_bytes_last = payload_bytes
-
-        # 4. Outer Nesterov step on the fp32 global parameters.
-        with record_function("muloco::outer_step"):
-            update_norm = self.outer.step(avg_delta)
-        self.outer_steps += 1
-
-        # 5. Merge: every replica restarts from the new global parameters.
-        for replica in self.replicas:
-            replica.load_global(self.outer.params)
+        self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, sent)
+        self.payload_by_fragment[fragment] = payload_bytes
+        if self.link is not None:
+            self._project_transfer(sync_seconds(self.link, payload_bytes, K, codec is not None), delay)
 
         cosine = None
         if unit_sum is not None:
             cosine = (global_norm(unit_sum) ** 2 - k_local) / (k_local * (k_local - 1))
-        train_loss, pseudograd_norm = self._means_over_processes(
-            (sum(losses), len(losses)), (sum(norms), len(norms))
+        sync = InFlightSync(
+            fragment=fragment,
+            started_step=self.step,
+            apply_step=self.step + delay,
+            result=result,
+            stats={
+                # With R ranks per worker each rank's losses are shares of the worker's: counted once.
+                "loss_sum_count": (
+                    sum(self.round_losses),
+                    len(self.round_losses) if self.topology.is_lead else 0,
+                ),
+                "norm_sum_count": (sum(norms), len(norms)),
+                "pseudograd_cosine": cosine,
+                "payload_bytes": payload_bytes,
+                "bits_per_param": round(8 * payload_bytes / numel, 4),
+            },
         )
+        self.round_losses = []
+        self.in_flight.append(sync)
+        return sync
+
+    def _start_mean(
+        self,
+        delta_sum: list[torch.Tensor] | None,
+        codec: PseudogradientCodec | None,
+        messages: list[bytes],
+        like: list[torch.Tensor],
+    ) -> PendingMean:
+        """Start the mean over all K replicas across workers (on each worker's lead rank), shared with the
+        worker's other ranks when R > 1. Every process calls the same collectives in the same order."""
+        K, topology = self.cfg.workers, self.topology
+        pending = None
+        if topology.sync is not None:
+            if codec is None:
+                pending = start_mean_uncompressed(topology.sync, delta_sum, K)
+            else:
+                pending = start_mean_compressed(topology.sync, codec, messages, K, like)
+        if topology.worker is None:
+            return pending
+        return share_with_worker(topology.worker, pending, like)
+
+    def _finish_sync(self, sync: InFlightSync) -> None:
+        """Steps 4-5 of a sync: wait for the mean, outer step on the fragment, merge into the replicas."""
+        t0 = time.perf_counter()
+        avg_delta = sync.result.wait()
+        self.comm_wait_s += time.perf_counter() - t0
+        self.in_flight.remove(sync)
+        indices = self.fragments[sync.fragment]
+
+        # 4. Outer Nesterov step on the fragment's fp32 global parameters (its own momentum buffers).
+        with record_function("muloco::outer_step"):
+            update_norm = self.outer.step(avg_delta, None if len(self.fragments) == 1 else indices)
+        self.fragment_syncs += 1
+        self.outer_steps = self.fragment_syncs // len(self.fragments)
+
+        # 5. Merge: local <- alpha local + (1 - alpha) global (alpha = 0: restart from the global ones).
+        alpha = self.cfg.sync.alpha
+        for replica in self.replicas:
+            if len(self.fragments) == 1 and alpha == 0.0:
+                replica.load_global(self.outer.params)
+            else:
+                replica.merge_global(self.outer.params, indices, alpha)
+        if alpha > 0:
+            self.unsynced[sync.fragment] = True  # the replicas keep part of their own drift
+
+        stats = sync.stats
+        train_loss, pseudograd_norm = self._means_over_processes(
+            stats["loss_sum_count"], stats["norm_sum_count"]
+        )
+        streaming = {}
+        if self.cfg.sync.streaming:
+            streaming = {"fragment": sync.fragment, "started_step": sync.started_step}
         self._log(
             "sync",
             train_loss=train_loss,
             pseudograd_norm=pseudograd_norm,
-            pseudograd_cosine=cosine,
+            pseudograd_cosine=stats["pseudograd_cosine"],
             outer_update_norm=update_norm,
             outer_step=self.outer_steps,
-            payload_bytes=payload_bytes,
-            bits_per_param=round(8 * payload_bytes / self.num_params, 4),
+            payload_bytes=stats["payload_bytes"],
+            bits_per_param=stats["bits_per_param"],
+            **streaming,
         )
+
+    def _next_sync_event(self) -> int:
+        """The next step at which a sync starts or an in-flight one is applied."""
+        return min([self.schedule.next_start(self.step), *(s.apply_step for s in self.in_flight)])
 
     def _dp_step(self) -> None:
         """One data-parallel step: gradients averaged over the K workers' batches, one optimizer step."""
@@ -373,6 +550,7 @@ class Trainer:
         replica = self.replicas[0]
         set_lr_multiplier(replica.optimizer, self._lr_multiplier(self.step))
         loss_sum = 0.0
+        t0 = time.perf_counter()
         with record_function("muloco::forward_backward"):
             for stream in self.dp_streams:
                 batches = (stream.next_batch(self.seqs_per_micro) for _ in range(self.micro_batches))
@@ -380,20 +558,36 @@ class Trainer:
                     replica.model, batches, 1.0 / (K * self.micro_batches), self.device, self.autocast
                 )
         # Gradient all-reduce across processes (identity in one process); every process calls it each step.
+        # One worker computes one of the K batches: its share of this process's forward/backward time.
+        self.worker_compute_s += (time.perf_counter() - t0) / len(self.dp_streams)
         grads = [p.grad for p in replica.model.parameters()]
+        t0 = time.perf_counter()
         self.backend.all_reduce_sum(grads).wait()
+        self.comm_wait_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
         if cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(replica.model.parameters(), cfg.train.grad_clip)
         replica.optimizer.step()
         replica.optimizer.zero_grad(set_to_none=True)
+        self.worker_compute_s += time.perf_counter() - t0
         self.step += 1
         self.bytes_sent += ring_allreduce_bytes(4 * self.num_params, K)
+        self.peak_bytes_per_sync = ring_allreduce_bytes(4 * self.num_params, K)
+        if self.link is not None:
+            self._project_transfer(allreduce_seconds(self.link, 4 * self.num_params, K), 0)
         if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:
             count = len(self.dp_streams) * self.micro_batches
             (train_loss,) = self._means_over_processes((loss_sum, count))
             self._log("train", train_loss=train_loss)
 
     # -- helpers of the loop --------------------------------------------------------------------------
+    def _project_transfer(self, seconds: float, overlap_steps: int) -> None:
+        """WAN planner: a transfer of `seconds` on the configured link, hidden behind `overlap_steps` inner
+        steps at the mean step time measured so far."""
+        step_time = self.worker_compute_s / max(self.step, 1)
+        self.projected_network_s += seconds
+        self.projected_wait_s += max(0.0, seconds - overlap_steps * step_time)
+
     def _means_over_processes(self, *sums_and_counts: tuple[float, int]) -> list[float]:
         """Means of per-replica metrics over all K replicas, from each process's (sum, count) pairs. One
         collective with several processes: every rank calls it at the same point of the round."""
@@ -431,9 +625,15 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self) -> None:
-        """Val loss of the global parameters (replica 0 holds them right after a merge, or the dp model)."""
-        model = self.replicas[0].model
-        self._activate(self.replicas[0])
+        """Val loss of the global parameters: replica 0 holds them right after a plain DiLoCo merge (or is
+        the dp model); with streaming its parameters are swapped for the global ones meanwhile."""
+        replica = self.replicas[0]
+        model = replica.model
+        self._activate(replica)
+        own = None
+        if self.outer is not None and self.cfg.sync.streaming:
+            own = [p.detach().clone() for p in model.parameters()]
+            replica.load_global(self.outer.params)
         model.eval()
         losses = []
         with record_function("muloco::eval"):
@@ -441,7 +641,10 @@ class Trainer:
                 with self.autocast():
                     losses.append(model(x.to(self.device), y.to(self.device)).item())
         model.train()
-        self._deactivate(self.replicas[0])
+        if own is not None:
+            for p, saved in zip(model.parameters(), own, strict=True):
+                p.copy_(saved)
+        self._deactivate(replica)
         val_loss = sum(losses) / len(losses)
         self.val_losses.append((self.step, val_loss))
         self._log("eval", val_loss=val_loss)
@@ -501,21 +704,52 @@ class Trainer:
             "dp_streams": [s.state_dict() for s in self.dp_streams],
             "outer": self.outer.state_dict() if self.outer is not None else None,
             "rng": torch.get_rng_state(),
+            "sync": {
+                "fragment_syncs": self.fragment_syncs,
+                "unsynced": self.unsynced,
+                "in_flight": [s.state_dict() for s in self.in_flight],
+                "round_losses": self.round_losses,
+                "comm_wait_s": self.comm_wait_s,
+                "peak_bytes_per_sync": self.peak_bytes_per_sync,
+                "payload_by_fragment": list(self.payload_by_fragment.items()),
+                "worker_compute_s": self.worker_compute_s,
+                "projected_network_s": self.projected_network_s,
+                "projected_wait_s": self.projected_wait_s,
+            },
         }
         with record_function("muloco::checkpoint"):
             path = save_checkpoint(state, self.checkpoint_dir, self.step, self.cfg.checkpoint.keep)
         log.info("checkpoint path=%s step=%d", path, self.step)
+
+    def _projection(self) -> dict[str, Any]:
+        """WAN planner figures for summary.json: one worker's measured compute plus the transfers on the
+        configured link, with the overlapped part hidden (projected_wall_s) or not (..._no_overlap)."""
+        if self.link is None:
+            return {}
+        compute = self.worker_compute_s
+        wall = compute + self.projected_wait_s
+        return {
+            "projected_bandwidth_mbps": self.link.bandwidth_mbps,
+            "projected_latency_ms": self.link.latency_ms,
+            "projected_compute_s": round(compute, 3),
+            "projected_network_s": round(self.projected_network_s, 3),
+            "projected_wall_s": round(wall, 3),
+            "projected_wall_s_no_overlap": round(compute + self.projected_network_s, 3),
+            "projected_network_wait_fraction": round(self.projected_wait_s / wall, 4) if wall > 0 else None,
+        }
 
     def _write_summary(self, status: str) -> dict[str, Any]:
         cfg, K = self.cfg, self.cfg.workers
         elapsed = self._elapsed()
         tokens = self.step * cfg.train.batch_tokens
         val = self.val_losses
+        payload = sum(self.payload_by_fragment.values()) or None  # one replica's message, whole model
         summary = {
             "run_name": cfg.run.name,
             "method": cfg.method,
             "inner_optimizer": cfg.inner.optimizer,
             "workers": K,
+            "ranks_per_worker": cfg.ranks_per_worker,
             "sync_every": cfg.sync.every if cfg.method == "diloco" else 1,
             "bits": 32 if cfg.compression.scheme == "none" else cfg.compression.bits,
             "compression": cfg.compression.scheme,
@@ -525,12 +759,15 @@ class Trainer:
             "tokens_seen": tokens,
             "inner_steps": self.step,
             "outer_steps": self.outer_steps,
+            "fragments": cfg.sync.fragments,
+            "overlap": cfg.sync.overlap,
+            "alpha": cfg.sync.alpha,
+            "fragment_syncs": self.fragment_syncs,
             "bytes_sent_per_worker": self.bytes_sent,
+            "peak_bytes_per_sync": self.peak_bytes_per_sync,
             "bytes_ddp_equivalent": self.step * ring_allreduce_bytes(4 * self.num_params, K),
-            "payload_bytes_per_sync": self.payload_bytes_last,
-            "effective_bits_per_param": (
-                round(8 * self.payload_bytes_last / self.num_params, 4) if self.payload_bytes_last else None
-            ),
+            "payload_bytes_per_sync": payload,
+            "effective_bits_per_param": round(8 * payload / self.num_params, 4) if payload else None,
             "error_feedback": cfg.compression.error_feedback and cfg.compression.scheme != "none",
             "wall_time_s": round(elapsed, 3),
             "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
@@ -538,6 +775,9 @@ class Trainer:
             if getattr(self, "train_time", 0) > 0
             else None,
             "replica_compute_s": [round(r.compute_time_s, 3) for r in self.replicas],
+            "worker_compute_s": round(self.worker_compute_s, 3),
+            "comm_wait_s": round(self.comm_wait_s, 3),
+            **self._projection(),
             "params": self.num_params,
             "device": str(self.device),
             "config_fingerprint": self.cfg.fingerprint(),

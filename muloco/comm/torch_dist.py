@@ -31,6 +31,17 @@ class _FlatHandle:
         return self.tensors
 
 
+class _BytesHandle:
+    """Waits on an async all-gather of padded byte buffers, then trims each to its true length."""
+
+    def __init__(self, work, gathered: list[torch.Tensor], lengths: list[int]) -> None:
+        self.work, self.gathered, self.lengths = work, gathered, lengths
+
+    def wait(self) -> list[bytes]:
+        self.work.wait()
+        return [g[:n].cpu().numpy().tobytes() for g, n in zip(self.gathered, self.lengths, strict=True)]
+
+
 class TorchDistBackend:
     def __init__(self, timeout_s: float = 300.0, dist_backend: str = "auto") -> None:
         for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -44,12 +55,28 @@ class TorchDistBackend:
         self.owns_group = not dist.is_initialized()
         if self.owns_group:
             dist.init_process_group(backend=dist_backend, timeout=timedelta(seconds=timeout_s))
+        self.group = None  # None: the default (world) group
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.dist_backend = dist_backend
         self.device = (
             torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist_backend == "nccl" else None
         )
+
+    def subgroup(self, ranks: list[int]) -> TorchDistBackend | None:
+        """A backend over the processes `ranks` of the world (every process must call this, with the same
+        ranks, in the same order: torch.distributed's new_group is a collective). None on the others."""
+        group = dist.new_group(ranks)
+        if self.rank not in ranks:
+            return None
+        sub = object.__new__(TorchDistBackend)
+        sub.owns_group, sub.group = False, group
+        sub.rank, sub.world_size = ranks.index(self.rank), len(ranks)
+        sub.dist_backend, sub.device = self.dist_backend, self.device
+        return sub
+
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def _on_comm_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device) if self.device is not None else t.cpu()
@@ -59,11 +86,12 @@ class TorchDistBackend:
             return CompletedHandle(tensors)
         # One flat buffer: one collective per sync rather than one per tensor.
         flat = self._on_comm_device(_flatten_dense_tensors([t.detach() for t in tensors]))
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _FlatHandle(work, flat, tensors)
 
-    def all_gather_bytes(self, payload: bytes) -> CompletedHandle:
-        """Payloads of varying size: gather the sizes, then the padded payloads, in rank order."""
+    def all_gather_bytes(self, payload: bytes) -> _BytesHandle:
+        """Payloads of varying size: gather the sizes (small, blocking), then start the gather of the padded
+        payloads asynchronously; the handle returns them in rank order."""
         mine = (
             torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             if payload
@@ -71,25 +99,23 @@ class TorchDistBackend:
         )
         size = self._on_comm_device(torch.tensor([mine.numel()], dtype=torch.int64))
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size)
-        longest = int(max(s.item() for s in sizes))
-        padded = self._on_comm_device(torch.zeros(max(longest, 1), dtype=torch.uint8))
+        dist.all_gather(sizes, size, group=self.group)
+        lengths = [int(s.item()) for s in sizes]
+        padded = self._on_comm_device(torch.zeros(max(max(lengths), 1), dtype=torch.uint8))
         padded[: mine.numel()] = mine.to(padded.device)
         gathered = [torch.zeros_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(gathered, padded)
-        return CompletedHandle(
-            [g[: int(s.item())].cpu().numpy().tobytes() for g, s in zip(gathered, sizes, strict=True)]
-        )
+        work = dist.all_gather(gathered, padded, group=self.group, async_op=True)
+        return _BytesHandle(work, gathered, lengths)
 
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> _FlatHandle | CompletedHandle:
         if not tensors:
             return CompletedHandle(tensors)
         flat = self._on_comm_device(_flatten_dense_tensors([t.detach() for t in tensors]))
-        work = dist.broadcast(flat, src=src, async_op=True)
+        work = dist.broadcast(flat, src=self.global_rank(src), group=self.group, async_op=True)
         return _FlatHandle(work, flat, tensors)
 
     def barrier(self) -> None:
-        dist.barrier()
+        dist.barrier(group=self.group)
 
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():

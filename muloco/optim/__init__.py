@@ -3,13 +3,17 @@
     newton_schulz.py  pure functions: coefficient sets (keller, muloco, polar_express), normalization,
                       the standard and Gram Newton-Schulz iterations, the CPU/GPU dtype choice
     muon.py           `muon_update` and `adjusted_lr` (pure), and the thin `Muon` optimizer class
+    distributed_muon.py
+                      `DistributedMuon`: Muon split across a worker's ranks, one owner rank per matrix,
+                      owners balanced by estimated NS cost (`assign_owners`)
     routing.py        which parameters go to Muon and which to AdamW (roles + regex overrides)
-    factory.py        `build_inner_optimizer(model, inner)` -> `InnerOptimizer` for inner.optimizer =
-                      muon | adamw | sgd | torch_muon
+    factory.py        `build_inner_optimizer(model, inner, process_group=None)` -> `InnerOptimizer` for
+                      inner.optimizer = muon | adamw | sgd | torch_muon
 
 docs/optimizers.md describes the options and where we differ from torch.optim.Muon.
 """
 
+from muloco.optim.distributed_muon import DistributedMuon, assign_owners
 from muloco.optim.factory import InnerOptimizer, build_inner_optimizer
 from muloco.optim.muon import Muon, adjusted_lr, muon_update
 from muloco.optim.newton_schulz import COEFFICIENT_SETS, newton_schulz
@@ -17,9 +21,11 @@ from muloco.optim.routing import muon_param_groups, routing_table
 
 __all__ = [
     "COEFFICIENT_SETS",
+    "DistributedMuon",
     "InnerOptimizer",
     "Muon",
     "adjusted_lr",
+    "assign_owners",
     "build_inner_optimizer",
     "muon_param_groups",
     "muon_update",

@@ -9,22 +9,31 @@ inner.optimizer:
     adamw       torch.optim.AdamW on everything with inner.adamw.* (DiLoCo)
     sgd         torch.optim.SGD(lr=inner.lr, momentum, nesterov, weight_decay) on everything
     torch_muon  torch.optim.Muon + AdamW, the reference implementation (2-D matrices, one NS triple)
+
+With a `process_group` of R > 1 ranks (the ranks of one DiLoCo worker, which all-reduce their gradients every
+step), inner.optimizer=muon uses `DistributedMuon`: each matrix's Newton-Schulz work and momentum live on one
+rank. AdamW stays replicated on every rank (elementwise, cheap); torch_muon stays replicated too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from muloco.config import InnerConfig
 from muloco.errors import ConfigError
 from muloco.models.roles import param_roles
+from muloco.optim.distributed_muon import DistributedMuon
 from muloco.optim.muon import Muon
 from muloco.optim.newton_schulz import KELLER, resolve_coefficients
 from muloco.optim.routing import Named, format_routing, muon_param_groups
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 # inner.ns_dtype -> the Newton-Schulz iteration's dtype (None: bf16 on CUDA and on CPUs with native bf16).
 _NS_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
@@ -138,8 +147,34 @@ def _torch_muon(params: list[nn.Parameter], names: list[str], inner: InnerConfig
     return opt
 
 
-def build_inner_optimizer(model: nn.Module, inner: InnerConfig) -> InnerOptimizer:
-    """The inner optimizer named by `inner.optimizer` over `model`'s trainable parameters."""
+def _muon(params: list[nn.Parameter], inner: InnerConfig, process_group: ProcessGroup | None) -> Muon:
+    hyperparameters: dict[str, Any] = dict(
+        lr=inner.lr,
+        weight_decay=inner.weight_decay,
+        momentum=inner.momentum,
+        nesterov=inner.nesterov,
+        ns_steps=inner.ns_steps,
+        ns_coefficients=inner.ns_coefficients,
+        adjust_lr=inner.adjust_lr,
+        ns_dtype=_NS_DTYPES[inner.ns_dtype],
+    )
+    if process_group is not None and dist.get_world_size(process_group) > 1:
+        muon: Muon = DistributedMuon(params, **hyperparameters, process_group=process_group)
+    else:
+        muon = Muon(params, **hyperparameters)
+    muon.param_groups[0]["name"] = "muon"
+    return muon
+
+
+def build_inner_optimizer(
+    model: nn.Module, inner: InnerConfig, process_group: ProcessGroup | None = None
+) -> InnerOptimizer:
+    """The inner optimizer named by `inner.optimizer` over `model`'s trainable parameters.
+
+    process_group: the ranks of this DiLoCo worker, which average their gradients before every `step()`;
+    with more than one rank, inner.optimizer=muon splits its Newton-Schulz work across them
+    (`DistributedMuon`, which must then be stepped on every rank). None: one process, plain `Muon`.
+    """
     roles = param_roles(model)
     kind = inner.optimizer
     if kind in ("adamw", "sgd"):
@@ -168,19 +203,7 @@ def build_inner_optimizer(model: nn.Module, inner: InnerConfig) -> InnerOptimize
         if kind == "torch_muon":
             optimizers.append(_torch_muon(params, names, inner))
         else:
-            muon = Muon(
-                params,
-                lr=inner.lr,
-                weight_decay=inner.weight_decay,
-                momentum=inner.momentum,
-                nesterov=inner.nesterov,
-                ns_steps=inner.ns_steps,
-                ns_coefficients=inner.ns_coefficients,
-                adjust_lr=inner.adjust_lr,
-                ns_dtype=_NS_DTYPES[inner.ns_dtype],
-            )
-            muon.param_groups[0]["name"] = "muon"
-            optimizers.append(muon)
+            optimizers.append(_muon(params, inner, process_group))
     if adamw_named:
         optimizers.append(_adamw([p for _, p in adamw_named], inner))
     if not optimizers:

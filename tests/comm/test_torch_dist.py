@@ -91,6 +91,40 @@ def test_simulation_equals_4x1_and_2x2_processes(tmp_path, TINY, inner, compress
     assert list_checkpoints(tmp_path / "p2" / "checkpoints" / "rank1")
 
 
+@pytest.mark.parametrize(
+    "extra, rtol",
+    [(["inner.optimizer=adamw"], 1e-6), (["inner.ns_dtype=fp32", *STAT4_EF], 0.0)],
+    ids=["adamw-fp32", "muon-statistical4-ef"],
+)
+def test_streaming_over_processes_equals_the_simulation(tmp_path, TINY, extra, rtol):
+    """Streaming (P = 2, tau = 1, alpha = 0.5): the torch backend starts each fragment's collective, keeps
+    training one step and only then waits; the result equals the simulation's logically completed syncs."""
+    common = [
+        *TINY,
+        *extra,
+        "workers=2",
+        "train.batch_tokens=512",
+        "train.total_tokens=7168",
+        "sync.every=4",
+        "sync.fragments=2",
+        "sync.overlap=1",
+        "sync.alpha=0.5",
+        f"run.output_dir={tmp_path}",
+    ]
+    sim = Trainer(load_config(QS, [*common, "run.name=sim"]))
+    sim.run()
+    result = launch(2, [*common, "run.name=p2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    for a, b in zip(sim.outer.params, final_global_params(tmp_path / "p2"), strict=True):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * 0.1)
+    summary = json.loads((tmp_path / "p2" / "summary.json").read_text())
+    assert summary["fragment_syncs"] == sim.fragment_syncs
+    assert (
+        summary["peak_bytes_per_sync"]
+        == json.loads((sim.run_dir / "summary.json").read_text())["peak_bytes_per_sync"]
+    )
+
+
 def test_dp_over_processes_equals_simulated_dp(tmp_path, TINY):
     common = [*TINY, "method=dp", "workers=2", "train.batch_tokens=512", f"run.output_dir={tmp_path}"]
     sim = Trainer(load_config(QS, [*common, "run.name=sim"]))

@@ -1,0 +1,153 @@
+"""What communication would cost on a wide-area link, and the `muloco plan` projection.
+
+A link is a bandwidth (Mbit/s, each node's upload) and a one-way latency. A collective's time on it is the
+bytes one node sends over the bandwidth plus one latency per ring hop:
+
+- ring all-reduce of P bytes (fp32 pseudogradients, DDP gradients): 2 (K-1)/K P bytes, 2 (K-1) hops
+  (reduce-scatter then all-gather; Patarasuk & Yuan 2009);
+- all-gather of compressed messages of P bytes each: (K-1) P bytes, K-1 hops.
+
+Overlap: a sync started at inner step t and applied at t + tau runs while tau inner steps compute, so only
+max(0, transfer - tau x step time) is spent waiting (Streaming DiLoCo, arXiv:2501.18512, section 2.3).
+DDP is modelled without overlap, as muloco's `method: dp` runs it (all-reduce after the backward pass);
+torch DDP hides part of it behind the backward pass, so the DDP rows are an upper bound on its waiting.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from muloco.comm.base import ring_allgather_bytes, ring_allreduce_bytes
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth_mbps: float
+    latency_ms: float = 0.0
+
+    def seconds(self, bytes_sent: float, hops: int) -> float:
+        return 8.0 * bytes_sent / (self.bandwidth_mbps * 1e6) + hops * self.latency_ms / 1e3
+
+
+def allreduce_seconds(link: Link, payload_bytes: float, workers: int) -> float:
+    if workers <= 1:
+        return 0.0
+    return link.seconds(ring_allreduce_bytes(payload_bytes, workers), 2 * (workers - 1))
+
+
+def allgather_seconds(link: Link, payload_bytes: float, workers: int) -> float:
+    if workers <= 1:
+        return 0.0
+    return link.seconds(ring_allgather_bytes(payload_bytes, workers), workers - 1)
+
+
+def sync_seconds(link: Link, payload_bytes: float, workers: int, compressed: bool) -> float:
+    """One sync of one message of `payload_bytes` per worker: an all-gather when compressed (each worker's
+    message differs), an all-reduce of fp32 sums otherwise (what the engine does)."""
+    if compressed:
+        return allgather_seconds(link, payload_bytes, workers)
+    return allreduce_seconds(link, payload_bytes, workers)
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    method: str
+    bytes_per_outer_step: float  # sent by one worker over H inner steps
+    peak_bytes_per_sync: float
+    compute_s: float  # per outer step
+    network_s: float  # transfer time per outer step
+    wait_s: float  # the part of network_s not hidden behind compute
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.wait_s
+
+    @property
+    def wait_fraction(self) -> float:
+        return self.wait_s / self.total_s if self.total_s > 0 else 0.0
+
+
+def plan(
+    params: float,
+    workers: int,
+    sync_every: int,
+    step_seconds: float,
+    link: Link,
+    bits: int = 4,
+    fragments: int = 3,
+    overlap: int = 2,
+) -> list[PlanRow]:
+    """Projected time per outer step (H inner steps) for DDP, DiLoCo fp32, MuLoCo `bits`-bit and streaming
+    MuLoCo (`fragments` fragments, tau = `overlap`). Compressed payloads count bits/8 bytes per parameter
+    (the row statistics add ~1% at d >= 512; ignored here)."""
+    H, K = sync_every, workers
+    compute = H * step_seconds
+    fp32 = 4.0 * params
+    packed = params * bits / 8.0
+    rows = []
+
+    ddp_step = allreduce_seconds(link, fp32, K)
+    ddp_bytes = ring_allreduce_bytes(fp32, K)
+    rows.append(
+        PlanRow("DDP (fp32 every step)", H * ddp_bytes, ddp_bytes, compute, H * ddp_step, H * ddp_step)
+    )
+
+    sync = allreduce_seconds(link, fp32, K)
+    rows.append(PlanRow(f"DiLoCo fp32 H={H}", ddp_bytes, ddp_bytes, compute, sync, sync))
+
+    sync = allgather_seconds(link, packed, K)
+    gathered = ring_allgather_bytes(packed, K)
+    rows.append(PlanRow(f"MuLoCo {bits}-bit H={H}", gathered, gathered, compute, sync, sync))
+
+    per_fragment = allgather_seconds(link, packed / fragments, K)
+    hidden = overlap * step_seconds
+    wait = fragments * max(0.0, per_fragment - hidden)
+    rows.append(
+        PlanRow(
+            f"streaming MuLoCo {bits}-bit P={fragments} tau={overlap}",
+            gathered,
+            gathered / fragments,
+            compute,
+            fragments * per_fragment,
+            wait,
+        )
+    )
+    return rows
+
+
+def format_plan(rows: list[PlanRow]) -> str:
+    header = (
+        f"{'method':<40} {'s/outer step':>12} {'compute s':>10} {'network s':>10} {'wait %':>7} "
+        f"{'MB/outer step':>13} {'peak MB/sync':>12}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r.method:<40} {r.total_s:>12.2f} {r.compute_s:>10.2f} {r.network_s:>10.2f} "
+            f"{100 * r.wait_fraction:>6.1f}% {r.bytes_per_outer_step / 1e6:>13.1f} "
+            f"{r.peak_bytes_per_sync / 1e6:>12.1f}"
+        )
+    return "\n".join(lines)
+
+
+_COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMbB]?)\s*$")
+
+
+def parse_count(text: str) -> float:
+    """'150M' -> 1.5e8, '1.3B' -> 1.3e9, '10900000' -> 1.09e7. ValueError on anything else."""
+    match = _COUNT.match(text)
+    if not match:
+        raise ValueError(text)
+    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9}[match.group(2).lower()]
+    return float(match.group(1)) * scale
+
+
+def estimate_step_seconds(params: float, tokens_per_step: int, tflops: float) -> float:
+    """Compute time of one inner step of one worker: 6 N tokens FLOPs (forward + backward, Kaplan et al.
+    2020) at `tflops` sustained."""
+    return 6.0 * params * tokens_per_step / (tflops * 1e12)
+
+
+def plan_as_dict(rows: list[PlanRow]) -> list[dict]:
+    return [{**asdict(r), "total_s": r.total_s, "wait_fraction": r.wait_fraction} for r in rows]
