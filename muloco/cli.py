@@ -16,7 +16,7 @@ import argparse
 import logging
 import sys
 
-from muloco.errors import UserError
+from muloco.errors import TrainingError, UserError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"muloco: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingError as exc:
+        print(f"muloco: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("muloco: interrupted", file=sys.stderr)
         return 130

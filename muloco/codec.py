@@ -103,18 +103,19 @@ class PseudogradientCodec:
             acc.add_(decoded.to(acc.device))
 
     def decode_mean(
-        self, blobs: list[bytes], num_replicas: int, like: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """Mean of every replica's message; blobs are the processes' packed messages in rank order."""
+        self, blobs: list[bytes], max_replicas: int, like: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor] | None, int]:
+        """Mean of every replica's message and how many there were; blobs are the processes' packed
+        messages in rank order (a process sends none for a replica left out of the sync)."""
         total = [torch.zeros_like(t) for t in like]
         seen = 0
         for blob in blobs:
             for message in unpack(blob):
                 self.decode_sum(message, total)
                 seen += 1
-        if seen != num_replicas:
-            raise CompressionError(f"sync received {seen} replica messages, expected K = {num_replicas}")
-        return [t.div_(num_replicas) for t in total]
+        if seen > max_replicas:
+            raise CompressionError(f"sync received {seen} replica messages, more than K = {max_replicas}")
+        return ([t.div_(seen) for t in total] if seen else None), seen
 
     def payload_bits(self, shapes: list[torch.Size]) -> float:
         """Bits one replica's message takes (payloads and the message header)."""

@@ -121,6 +121,12 @@ class TrainConfig(Section):
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU."
     )
+    max_bad_syncs: int = Field(
+        3,
+        ge=1,
+        description="Stop the run (exit 1, last checkpoint kept) after this many syncs in a row that left a "
+        "replica out for a non-finite loss or pseudogradient (dp: skipped non-finite steps).",
+    )
     threads: int | None = Field(None, gt=0, description="torch CPU threads; default: torch's choice.")
 
 
@@ -464,7 +470,7 @@ class Config(Section):
         replicas run (backend, simulation, device, train.threads) and what is logged when are left out:
         a run may resume on another layout or with other logging."""
         data = {k: v for k, v in self.to_dict().items() if k not in exclude}
-        for key in ("threads", "log_every", "eval_every", "eval_tokens"):
+        for key in ("threads", "log_every", "eval_every", "eval_tokens", "max_bad_syncs"):
             data["train"].pop(key, None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 

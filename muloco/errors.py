@@ -18,3 +18,7 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint cannot be read or does not belong to this run."""
+
+
+class TrainingError(Exception):
+    """The run itself failed (e.g. diverged to non-finite values): one line, exit code 1, status failed."""

@@ -48,6 +48,8 @@ class Replica:
         self.stream = stream
         self.device = device
         self.compute_time_s = 0.0  # measured inner-step time, summed over the run
+        self.inner_steps = 0  # inner steps taken (a round interrupted by a signal leaves replicas apart)
+        self.healthy = True  # False after a non-finite loss, until the next sync resets the replica
         self.error_feedback = None  # an ErrorFeedback when compression.error_feedback is on
         # A worker of R ranks (docs/topology.md): this rank computes micro-batches shard_index, +R, ... of
         # each step and the gradients are summed over the worker's ranks before the optimizer step.
@@ -108,6 +110,17 @@ class Replica:
             else:
                 local[i].lerp_(global_params[i].to(local[i].device, local[i].dtype), 1.0 - alpha)
 
+    @torch.no_grad()
+    def reset_to(self, global_params: list[torch.Tensor]) -> None:
+        """After a non-finite loss or pseudogradient: the global parameters, a fresh inner optimizer state
+        (its momenta may hold the NaN) and an empty error-feedback buffer."""
+        self.load_global(global_params)
+        for optimizer in getattr(self.optimizer, "optimizers", [self.optimizer]):
+            optimizer.state.clear()
+        if self.error_feedback is not None:
+            self.error_feedback.reset()
+        self.healthy = True
+
     def move_to(self, device: torch.device) -> None:
         """Move parameters and optimizer state (simulation.offload keeps inactive replicas on the CPU)."""
         for p in self.model.parameters():
@@ -123,6 +136,8 @@ class Replica:
             "optimizer": self.optimizer.state_dict(),
             "stream": self.stream.state_dict(),
             "error_feedback": self.error_feedback.state_dict() if self.error_feedback is not None else None,
+            "inner_steps": self.inner_steps,
+            "healthy": self.healthy,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -131,6 +146,7 @@ class Replica:
         self.stream.load_state_dict(state["stream"])
         if self.error_feedback is not None:
             self.error_feedback.load_state_dict(state["error_feedback"])
+        self.inner_steps, self.healthy = state["inner_steps"], state["healthy"]
 
 
 def _optimizer_states(optimizer) -> list[dict]:

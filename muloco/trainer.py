@@ -33,13 +33,13 @@ from muloco.comm.topology import build_topology
 from muloco.compress import ErrorFeedback
 from muloco.config import Config
 from muloco.data import ReplicaStream, load_data, val_batches
-from muloco.errors import CheckpointError, UserError
+from muloco.errors import CheckpointError, TrainingError, UserError
 from muloco.lr_schedule import lr_multiplier
 from muloco.metrics import MetricsLogger, start_wandb
 from muloco.models import build_model, param_roles
 from muloco.optim import build_inner_optimizer
 from muloco.outer import OuterOptimizer
-from muloco.reduce import PendingMean, share_with_worker, start_mean_compressed, start_mean_uncompressed
+from muloco.reduce import Mean, PendingMean, share_with_worker, start_mean_compressed, start_mean_uncompressed
 from muloco.replica import Replica, forward_backward, set_lr_multiplier
 from muloco.schedule import SyncSchedule, assign_fragments
 from muloco.wan import Link, allreduce_seconds, sync_seconds
@@ -66,13 +66,13 @@ class InFlightSync:
             "fragment": self.fragment,
             "started_step": self.started_step,
             "apply_step": self.apply_step,
-            "mean": self.result.wait(),
+            "mean": list(self.result.wait()),  # [values or None, contributors]: plain types for weights_only
             "stats": self.stats,
         }
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> InFlightSync:
-        mean = state["mean"]
+        mean = Mean(*state["mean"])
         result = PendingMean(CompletedHandle(mean), lambda m: m)
         return cls(state["fragment"], state["started_step"], state["apply_step"], result, state["stats"])
 
@@ -98,23 +98,28 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def prepare_run_dir(cfg: Config, write_config: bool = True) -> Path:
-    """Create `<output_dir>/<name>/` and write the resolved config.yaml into it (rank 0 only)."""
+def prepare_run_dir(cfg: Config) -> Path:
+    """Create `<output_dir>/<name>/` and check that it is writable; nothing of an earlier run is touched
+    (config.yaml is written only once the run is known to start or resume: `write_resolved_config`)."""
     run_dir = Path(cfg.run.output_dir).expanduser() / cfg.run.name
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        if not write_config:
-            return run_dir
-        fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=run_dir)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(cfg.to_yaml())
-        os.replace(tmp, run_dir / "config.yaml")
+        fd, probe = tempfile.mkstemp(prefix=".tmp_", dir=run_dir)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as exc:
         raise UserError(
             f"run.output_dir: cannot write the run directory {run_dir} ({exc.strerror or exc}); "
             "choose a writable run.output_dir"
         ) from None
     return run_dir
+
+
+def write_resolved_config(cfg: Config, run_dir: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=run_dir)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(cfg.to_yaml())
+    os.replace(tmp, run_dir / "config.yaml")
 
 
 class Trainer:
@@ -128,7 +133,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        self.run_dir = prepare_run_dir(cfg, write_config=self.is_main)
+        self.run_dir = prepare_run_dir(cfg)
         self._check_same_config_on_every_rank()
         rank = self.backend.rank
         self.checkpoint_dir = self.run_dir / "checkpoints" / ("" if rank == 0 else f"rank{rank}")
@@ -177,6 +182,7 @@ class Trainer:
         self.in_flight: list[InFlightSync] = []
         self.unsynced = [False] * len(self.fragments)  # inner steps not yet covered by a started sync
         self.round_losses: list[float] = []  # train losses since the last sync started
+        self.bad_syncs = 0  # syncs in a row that left a non-finite replica out
         self.comm_wait_s = 0.0  # time blocked waiting for reductions
         self.worker_compute_s = 0.0  # one worker's inner-step compute (mean over replicas), all sessions
         self.projected_network_s = 0.0  # WAN planner (backend.local.bandwidth_mbps): transfer time
@@ -186,6 +192,8 @@ class Trainer:
         self.stop_signal: int | None = None
         self.resumed_from: Path | None = None
         self._resume()
+        if self.is_main:
+            write_resolved_config(cfg, self.run_dir)
 
     # -- set-up helpers -------------------------------------------------------------------------------
     def _build_replicas(self, template, streams) -> tuple[list[Replica], list]:
@@ -297,6 +305,7 @@ class Trainer:
         self.fragment_syncs, self.unsynced = sync["fragment_syncs"], sync["unsynced"]
         self.in_flight = [InFlightSync.from_state_dict(s) for s in sync["in_flight"]]
         self.round_losses, self.comm_wait_s = sync["round_losses"], sync["comm_wait_s"]
+        self.bad_syncs = sync["bad_syncs"]
         self.peak_bytes_per_sync = sync["peak_bytes_per_sync"]
         self.payload_by_fragment = dict(sync["payload_by_fragment"])
         self.worker_compute_s = sync["worker_compute_s"]
@@ -369,26 +378,36 @@ class Trainer:
         cfg = self.cfg
         end = min(self._next_sync_event(), self.total_steps)
 
-        # 1. Inner steps: each replica trains alone on its own data stream until the next event.
+        # 1. Inner steps: each replica trains alone on its own data stream until the next event. A signal
+        #    stops a single-process run after the current inner step: the replicas' own step counters
+        #    (checkpointed) let the resumed run finish the segment where each one left off.
         segment_times = []
         with record_function("muloco::inner_steps"):
             for replica in self.replicas:
                 self._activate(replica)
                 t0 = time.perf_counter()
-                for step in range(self.step, end):
-                    self.round_losses.append(
-                        replica.train_step(
-                            self.micro_batches,
-                            self.seqs_per_micro,
-                            self._lr_multiplier(step),
-                            cfg.train.grad_clip,
-                            self.autocast,
-                        )
+                while replica.inner_steps < end and not self._stop_now():
+                    loss = replica.train_step(
+                        self.micro_batches,
+                        self.seqs_per_micro,
+                        self._lr_multiplier(replica.inner_steps),
+                        cfg.train.grad_clip,
+                        self.autocast,
                     )
+                    replica.inner_steps += 1
+                    if math.isfinite(loss):
+                        self.round_losses.append(loss)
+                    elif replica.healthy:
+                        replica.healthy = False
+                        log.warning(
+                            "replica=%d step=%d: non-finite loss %s", replica.index, replica.inner_steps, loss
+                        )
                 segment_times.append(time.perf_counter() - t0)
                 replica.compute_time_s += segment_times[-1]
                 self._deactivate(replica)
         self.worker_compute_s += sum(segment_times) / len(segment_times)
+        if any(replica.inner_steps < end for replica in self.replicas):
+            return  # interrupted: the loop writes a checkpoint
         self.step = end
         self.unsynced = [True] * len(self.fragments)
 
@@ -420,11 +439,25 @@ class Trainer:
             k_local = len(self.replicas)
             delta_sum = [torch.zeros_like(p) for p in global_params] if codec is None else None
             unit_sum = [torch.zeros_like(p) for p in global_params] if k_local > 1 else None
-            norms, messages = [], []
+            norms, messages, healthy = [], [], 0
             for replica in self.replicas:
                 self._activate(replica)
                 delta = replica.pseudogradient(self.outer.params, indices)
                 norm = global_norm(delta)
+                if not (replica.healthy and math.isfinite(norm)):
+                    # Left out of this sync (the mean is over the healthy replicas) and restarted from
+                    # the global parameters with a fresh inner state.
+                    log.warning(
+                        "replica=%d step=%d: non-finite loss or pseudogradient (norm %s): left out of "
+                        "this sync and reset to the global parameters",
+                        replica.index,
+                        self.step,
+                        norm,
+                    )
+                    replica.reset_to(self.outer.params)
+                    self._deactivate(replica)
+                    continue
+                healthy += 1
                 norms.append(norm)
                 if unit_sum is not None:
                     torch._foreach_add_(unit_sum, delta, alpha=1.0 / max(norm, 1e-30))
@@ -440,22 +473,23 @@ class Trainer:
         #    order; the local backend completes at once, torch.distributed works in the background.
         with record_function("muloco::reduce"):
             numel = sum(p.numel() for p in global_params)
-            result = self._start_mean(delta_sum, codec, messages, global_params)
+            result = self._start_mean(delta_sum, codec, messages, healthy, global_params)
             if codec is None:
                 payload_bytes = 4 * numel
                 sent = ring_allreduce_bytes(payload_bytes, K)
             else:
-                payload_bytes = sum(len(m) for m in messages) / len(messages)
+                payload_bytes = sum(len(m) for m in messages) / len(messages) if messages else 0.0
                 sent = ring_allgather_bytes(payload_bytes, K)
         self.bytes_sent += sent
         self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, sent)
-        self.payload_by_fragment[fragment] = payload_bytes
+        if payload_bytes:
+            self.payload_by_fragment[fragment] = payload_bytes
         if self.link is not None:
             self._project_transfer(sync_seconds(self.link, payload_bytes, K, codec is not None), delay)
 
         cosine = None
-        if unit_sum is not None:
-            cosine = (global_norm(unit_sum) ** 2 - k_local) / (k_local * (k_local - 1))
+        if unit_sum is not None and healthy > 1:
+            cosine = (global_norm(unit_sum) ** 2 - healthy) / (healthy * (healthy - 1))
         sync = InFlightSync(
             fragment=fragment,
             started_step=self.step,
@@ -470,7 +504,7 @@ class Trainer:
                 "norm_sum_count": (sum(norms), len(norms)),
                 "pseudograd_cosine": cosine,
                 "payload_bytes": payload_bytes,
-                "bits_per_param": round(8 * payload_bytes / numel, 4),
+                "bits_per_param": round(8 * payload_bytes / numel, 4) if payload_bytes else None,
             },
         )
         self.round_losses = []
@@ -482,6 +516,7 @@ class Trainer:
         delta_sum: list[torch.Tensor] | None,
         codec: PseudogradientCodec | None,
         messages: list[bytes],
+        healthy: int,
         like: list[torch.Tensor],
     ) -> PendingMean:
         """Start the mean over all K replicas across workers (on each worker's lead rank), shared with the
@@ -490,7 +525,7 @@ class Trainer:
         pending = None
         if topology.sync is not None:
             if codec is None:
-                pending = start_mean_uncompressed(topology.sync, delta_sum, K)
+                pending = start_mean_uncompressed(topology.sync, delta_sum, healthy)
             else:
                 pending = start_mean_compressed(topology.sync, codec, messages, K, like)
         if topology.worker is None:
@@ -500,14 +535,20 @@ class Trainer:
     def _finish_sync(self, sync: InFlightSync) -> None:
         """Steps 4-5 of a sync: wait for the mean, outer step on the fragment, merge into the replicas."""
         t0 = time.perf_counter()
-        avg_delta = sync.result.wait()
+        mean = sync.result.wait()
         self.comm_wait_s += time.perf_counter() - t0
         self.in_flight.remove(sync)
         indices = self.fragments[sync.fragment]
 
-        # 4. Outer Nesterov step on the fragment's fp32 global parameters (its own momentum buffers).
-        with record_function("muloco::outer_step"):
-            update_norm = self.outer.step(avg_delta, None if len(self.fragments) == 1 else indices)
+        # 4. Outer Nesterov step on the fragment's fp32 global parameters (its own momentum buffers). Never
+        #    with a non-finite value: without a finite mean the step is skipped.
+        finite = mean.values is not None and math.isfinite(global_norm(mean.values))
+        update_norm = None
+        if finite:
+            with record_function("muloco::outer_step"):
+                update_norm = self.outer.step(mean.values, None if len(self.fragments) == 1 else indices)
+        left_out = self.cfg.workers - mean.contributors if finite else self.cfg.workers
+        self._count_bad_sync(left_out, f"sync of fragment {sync.fragment} at step {self.step}")
         self.fragment_syncs += 1
         self.outer_steps = self.fragment_syncs // len(self.fragments)
 
@@ -535,10 +576,27 @@ class Trainer:
             pseudograd_cosine=stats["pseudograd_cosine"],
             outer_update_norm=update_norm,
             outer_step=self.outer_steps,
+            replicas_left_out=left_out,
             payload_bytes=stats["payload_bytes"],
             bits_per_param=stats["bits_per_param"],
             **streaming,
         )
+
+    def _count_bad_sync(self, left_out: int, what: str) -> None:
+        """train.max_bad_syncs syncs in a row that left a replica out (non-finite) stop the run; the last
+        checkpoint, written before them, stays as it is."""
+        if left_out == 0:
+            self.bad_syncs = 0
+            return
+        self.bad_syncs += 1
+        log.warning("%s: %d of %d replicas left out (non-finite)", what, left_out, self.cfg.workers)
+        limit = self.cfg.train.max_bad_syncs
+        if self.bad_syncs >= limit:
+            raise TrainingError(
+                f"the run diverged: {self.bad_syncs} syncs in a row had non-finite replicas "
+                f"(train.max_bad_syncs = {limit}); lower inner.lr / outer.lr or raise train.warmup_steps, "
+                "then resume from the last checkpoint (checkpoint.resume=auto)"
+            )
 
     def _next_sync_event(self) -> int:
         """The next step at which a sync starts or an in-flight one is applied."""
@@ -565,10 +623,14 @@ class Trainer:
         self.backend.all_reduce_sum(grads).wait()
         self.comm_wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        if cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(replica.model.parameters(), cfg.train.grad_clip)
-        replica.optimizer.step()
+        # Every process holds the same summed gradients, so all skip a non-finite step alike.
+        finite = math.isfinite(global_norm(grads))
+        if finite:
+            if cfg.train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(replica.model.parameters(), cfg.train.grad_clip)
+            replica.optimizer.step()
         replica.optimizer.zero_grad(set_to_none=True)
+        self._count_bad_sync(0 if finite else K, f"dp step {self.step + 1} (non-finite gradients: skipped)")
         self.worker_compute_s += time.perf_counter() - t0
         self.step += 1
         self.bytes_sent += ring_allreduce_bytes(4 * self.num_params, K)
@@ -595,6 +657,12 @@ class Trainer:
         if self.backend.world_size > 1:
             values = self.backend.all_reduce_sum([values]).wait()[0]
         return [(values[i] / values[i + 1]).item() for i in range(0, len(values), 2)]
+
+    def _stop_now(self) -> bool:
+        """Stop inside a round, after the current inner step: single-process runs only. With several
+        processes the ranks agree to stop at the end of the round (`_stop_requested`): agreeing after every
+        inner step would cost a collective per step over the slow link DiLoCo is meant to spare."""
+        return self.stop_signal is not None and self.backend.world_size == 1
 
     def _stop_requested(self) -> bool:
         """Whether any rank got SIGINT/SIGTERM. With several processes this is a collective (every rank
@@ -710,6 +778,7 @@ class Trainer:
                 "in_flight": [s.state_dict() for s in self.in_flight],
                 "round_losses": self.round_losses,
                 "comm_wait_s": self.comm_wait_s,
+                "bad_syncs": self.bad_syncs,
                 "peak_bytes_per_sync": self.peak_bytes_per_sync,
                 "payload_by_fragment": list(self.payload_by_fragment.items()),
                 "worker_compute_s": self.worker_compute_s,
@@ -799,9 +868,11 @@ class Trainer:
             if self.stop_signal is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             self.stop_signal = signum
+            when = "the current inner step" if self.backend.world_size == 1 else "this round"
             log.warning(
-                "signal=%s received: stopping after this round, writing a checkpoint",
+                "signal=%s received: stopping after %s, writing a checkpoint (Ctrl+C again: exit at once)",
                 signal.Signals(signum).name,
+                when,
             )
 
         return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
