@@ -26,7 +26,7 @@ import torch
 from torch.profiler import record_function
 
 import muloco
-from muloco.checkpoint import find_resume_state, save_checkpoint
+from muloco.checkpoint import find_resume_state, list_checkpoints, load_checkpoint, save_checkpoint
 from muloco.codec import PseudogradientCodec
 from muloco.comm import Backend, CompletedHandle, build_backend, ring_allgather_bytes, ring_allreduce_bytes
 from muloco.comm.topology import build_topology
@@ -269,16 +269,46 @@ class Trainer:
                 "start every rank with the same config file and KEY=VALUE overrides"
             )
 
+    def _find_common_checkpoint(self) -> tuple[Path, dict] | None:
+        """resume: auto with several processes (collectives: every rank calls them). A process killed
+        mid-run leaves the ranks at different newest checkpoints: take the newest step that every rank
+        holds and can read, falling back step by step."""
+        mine = {int(p.stem.split("_")[1]): p for p in list_checkpoints(self.checkpoint_dir)}
+        lists = self.backend.all_gather_bytes(json.dumps(sorted(mine)).encode()).wait()
+        common = set(mine)
+        for other in lists:
+            common &= set(json.loads(other))
+        for step in sorted(common, reverse=True):
+            try:
+                found = (mine[step], load_checkpoint(mine[step]))
+            except CheckpointError as exc:
+                log.warning("skipping unreadable checkpoint path=%s reason=%s", mine[step], exc)
+                found = None
+            readable = self.backend.all_gather_bytes(b"1" if found else b"0").wait()
+            if all(flag == b"1" for flag in readable):
+                if step != max(mine):
+                    log.warning("resuming from step %d, the newest checkpoint every rank holds", step)
+                return found
+        if any(json.loads(other) for other in lists):
+            raise CheckpointError(
+                f"no checkpoint step is held and readable by every rank (under "
+                f"{self.run_dir / 'checkpoints'}); set checkpoint.resume=never to start over"
+            )
+        return None
+
     def _resume(self) -> None:
-        found = find_resume_state(self.cfg.checkpoint.resume, self.checkpoint_dir)
+        if self.backend.world_size > 1 and self.cfg.checkpoint.resume == "auto":
+            found = self._find_common_checkpoint()
+        else:
+            found = find_resume_state(self.cfg.checkpoint.resume, self.checkpoint_dir)
         if self.backend.world_size > 1:
             # Every rank must resume from the same step (collective: all ranks call it).
             step = str(found[1]["step"] if found else -1).encode()
             steps = [int(s) for s in self.backend.all_gather_bytes(step).wait()]
             if len(set(steps)) > 1:
                 raise CheckpointError(
-                    f"ranks found checkpoints of different steps to resume from ({steps}); remove the newer "
-                    "ones so every rank has the same latest step, or set checkpoint.resume=never"
+                    f"ranks found checkpoints of different steps to resume from ({steps}); give every rank "
+                    "the same checkpoint.resume step, or set checkpoint.resume=never"
                 )
         if found is None:
             return
@@ -299,6 +329,8 @@ class Trainer:
         if self.outer is not None:
             self.outer.load_state_dict(state["outer"])
         torch.set_rng_state(state["rng"])
+        if state.get("cuda_rng") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
         self.step, self.outer_steps = state["step"], state["outer_steps"]
         self.bytes_sent, self.elapsed_before = state["bytes_sent"], state["elapsed_s"]
         sync = state["sync"]  # (checkpoints of muloco <= 0.1 lack it and cannot resume streaming runs)
@@ -772,6 +804,7 @@ class Trainer:
             "dp_streams": [s.state_dict() for s in self.dp_streams],
             "outer": self.outer.state_dict() if self.outer is not None else None,
             "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
             "sync": {
                 "fragment_syncs": self.fragment_syncs,
                 "unsynced": self.unsynced,

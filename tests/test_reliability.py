@@ -334,3 +334,66 @@ def test_dp_skips_non_finite_steps(tiny):
     hook.remove()
     assert summary["status"] == "completed" and trainer.bad_syncs == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_second_ctrl_c_leaves_at_once_keeping_the_last_checkpoint(tiny):
+    overrides = [*tiny, *INTERRUPTIBLE, "checkpoint.every=1"]
+    trainer = Trainer(load_config(None, overrides))
+    replica = trainer.replicas[0]
+    original_step = replica.train_step
+
+    def step_then_two_signals(*args, **kwargs):
+        loss = original_step(*args, **kwargs)
+        if replica.inner_steps == 8:
+            signal.raise_signal(signal.SIGINT)  # the first asks for a checkpoint after this step ...
+            signal.raise_signal(signal.SIGINT)  # ... the second leaves at once
+        return loss
+
+    replica.train_step = step_then_two_signals
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    assert json.loads((trainer.run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert [p.name for p in list_checkpoints(trainer.checkpoint_dir)] == ["step_00000006.pt"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+# -- checkpoint files -----------------------------------------------------------------------------------
+
+
+def test_a_failed_write_leaves_the_earlier_checkpoints_and_no_temporary_file(tmp_path, monkeypatch):
+    from muloco import checkpoint
+
+    checkpoint.save_checkpoint({"step": 1}, tmp_path, 1, keep=5)
+    before = snapshot(tmp_path)
+
+    def torn_save(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.torch, "save", torn_save)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save_checkpoint({"step": 2}, tmp_path, 2, keep=5)
+    assert snapshot(tmp_path) == before  # step 1 intact, no step 2, no temporary file left
+
+
+def test_only_the_newest_keep_checkpoints_remain(tmp_path):
+    from muloco.checkpoint import save_checkpoint
+
+    for step in range(1, 6):
+        save_checkpoint({"step": step}, tmp_path, step, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004.pt", "step_00000005.pt"]
+
+
+class _NotATensor:
+    pass
+
+
+def test_checkpoints_load_with_weights_only(tmp_path):
+    """A checkpoint that would need arbitrary unpickling (code execution) is refused."""
+    from muloco.checkpoint import FORMAT_VERSION
+    from muloco.errors import CheckpointError
+
+    path = tmp_path / "step_00000001.pt"
+    torch.save({"format": FORMAT_VERSION, "payload": _NotATensor()}, path)
+    with pytest.raises(CheckpointError, match="corrupt or not a muloco checkpoint"):
+        load_checkpoint(path)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -194,18 +195,19 @@ def test_killed_rank_stops_the_launcher_and_resume_completes(tmp_path, TINY):
     assert launcher.returncode != 0 and "rank 1 exited" in err
     time.sleep(0.5)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
-    # Writes are atomic, so no checkpoint is torn, but the ranks may stand at different steps: keep the
-    # newest step that both ranks hold and resume from it.
-    rank0 = {p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")}
-    rank1 = {p.name for p in list_checkpoints(ckpt_dir)}
-    common = sorted(rank0 & rank1)
-    for directory in (tmp_path / "run" / "checkpoints", ckpt_dir):
-        for path in list_checkpoints(directory):
-            if path.name > common[-1]:
-                path.unlink()
+    # Writes are atomic, so no checkpoint is torn, but the ranks may stand at different steps: resume: auto
+    # takes the newest step both ranks hold. Make them differ for sure, and tear rank 0's newest file too.
+    rank0_dir = tmp_path / "run" / "checkpoints"
+    newest = list_checkpoints(rank0_dir)[-1]
+    (rank0_dir / "step_99999999.pt").write_bytes(newest.read_bytes())
+    newest.write_bytes(newest.read_bytes()[:200])
+    common = sorted(
+        {p.name for p in list_checkpoints(rank0_dir)} & {p.name for p in list_checkpoints(ckpt_dir)}
+    )
     resumed = launch(2, overrides, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed checkpoint" in resumed.stderr
+    expected = common[-2] if common[-1] == newest.name else common[-1]
+    assert f"resumed checkpoint={rank0_dir / expected}" in resumed.stderr
 
 
 def test_launcher_forwards_sigint_and_every_rank_checkpoints(tmp_path, TINY):
@@ -287,3 +289,36 @@ def test_torchrun_works_with_the_local_backend_config(tmp_path, TINY):
     assert "using backend.kind=torch" in result.stderr
     assert json.loads((tmp_path / "trun" / "summary.json").read_text())["status"] == "completed"
     assert list_checkpoints(tmp_path / "trun" / "checkpoints" / "rank1")
+
+
+@pytest.mark.parametrize(
+    "extra", [["inner.optimizer=adamw"], STAT4_EF], ids=["adamw-fp32", "muon-statistical4-ef"]
+)
+def test_resume_over_processes_is_bitwise_identical(tmp_path, TINY, extra):
+    """2R outer steps in one go == R steps, stop, resume, R steps: 2 torch processes, bit for bit."""
+    overrides = [
+        *TINY,
+        *extra,
+        "workers=2",
+        "train.batch_tokens=512",
+        "train.total_tokens=6144",  # 12 steps, 4 outer steps of H = 3
+        "checkpoint.every=1",
+        "checkpoint.keep=10",
+        "run.name=run",
+    ]
+    full = launch(2, [*overrides, f"run.output_dir={tmp_path / 'full'}"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    shutil.copytree(tmp_path / "full", tmp_path / "cut")
+    for directory in (tmp_path / "cut/run/checkpoints", tmp_path / "cut/run/checkpoints/rank1"):
+        for path in list_checkpoints(directory)[2:]:  # keep outer steps 1 and 2
+            path.unlink()
+    resumed = launch(2, [*overrides, f"run.output_dir={tmp_path / 'cut'}"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed checkpoint" in resumed.stderr and "step=6" in resumed.stderr
+    for rank_dir in ("", "rank1"):
+        a = load_checkpoint(list_checkpoints(tmp_path / "full/run/checkpoints" / rank_dir)[-1])
+        b = load_checkpoint(list_checkpoints(tmp_path / "cut/run/checkpoints" / rank_dir)[-1])
+        for x, y in zip(a["outer"]["params"], b["outer"]["params"], strict=True):
+            assert torch.equal(x, y)
+        for x, y in zip(a["replicas"][0]["model"].values(), b["replicas"][0]["model"].values(), strict=True):
+            assert torch.equal(x, y)
