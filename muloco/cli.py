@@ -33,7 +33,9 @@ def _parser() -> argparse.ArgumentParser:
         )
     launch = sub.add_parser("launch", help="start N local processes of `muloco train` (torch.distributed)")
     launch.add_argument("--nproc", type=int, required=True, help="number of processes")
-    launch.add_argument("--backend", choices=["torch"], default="torch", help="backend of the processes")
+    launch.add_argument(
+        "--backend", choices=["torch", "hivemind"], default="torch", help="backend of the processes"
+    )
     launch.add_argument("config", metavar="CONFIG", help="YAML config file")
     launch.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
     sweep = sub.add_parser("sweep", help="run a grid of runs from a sweep file (resumable), then report")
@@ -104,8 +106,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from muloco.config import load_config
     from muloco.launch import launch
 
-    load_config(args.config, args.overrides)  # fail here, once, rather than in every rank
-    return launch(args.nproc, args.config, args.overrides, args.backend)
+    cfg = load_config(args.config, args.overrides)  # fail here, once, rather than in every rank
+    return launch(args.nproc, args.config, args.overrides, args.backend, cfg.run.name)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

@@ -326,14 +326,76 @@ class TorchBackendConfig(Section):
     )
 
 
+class HivemindBackendConfig(Section):
+    run_id: str = Field(
+        "muloco",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Prefix of every DHT key: swarms with different run_ids never mix.",
+    )
+    peer_index: int | None = Field(
+        None,
+        ge=0,
+        description="This peer's replica index r < workers (its data shard); null: the RANK the launcher "
+        "sets, else 0. Give every peer of a swarm its own.",
+    )
+    initial_peers: list[str] = Field(
+        default_factory=list, description="Multiaddrs of peers to join; empty: start a new swarm."
+    )
+    host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
+        min_length=1,
+        description="Where to listen; for other machines e.g. /ip4/0.0.0.0/tcp/31337.",
+    )
+    announce_maddrs: list[str] = Field(
+        default_factory=list, description="Public addresses to announce (behind NAT / port forwarding)."
+    )
+    use_relay: bool = Field(True, description="Accept relayed connections (libp2p circuit relay).")
+    use_auto_relay: bool = Field(
+        False, description="Behind NAT: be reached through relays found among the peers."
+    )
+    identity_path: str | None = Field(None, description="Private key file for a persistent peer id.")
+    matchmaking_time: float | None = Field(
+        None, gt=0, description="Seconds to gather a group; null: derived from the sync size and bandwidth."
+    )
+    averaging_timeout: float | None = Field(
+        None, gt=0, description="Seconds for the payload exchange; null: derived likewise."
+    )
+    min_group_size: int = Field(2, ge=2, description="Fewer peers than this: no group.")
+    target_group_size: int | None = Field(
+        None, ge=2, description="A group starts as soon as it has this many peers; null: no limit."
+    )
+    on_no_group: Literal["apply_own", "skip"] = Field(
+        "apply_own", description="No group in time: apply this peer's own pseudogradient, or skip the step."
+    )
+    bandwidth_mbps: float | None = Field(
+        None, gt=0, description="This peer's expected upload (Mbit/s), to derive the timeouts."
+    )
+    max_norm_ratio: float = Field(
+        10.0, gt=1, description="Exclude a contribution whose norm exceeds this x the group's median."
+    )
+    join_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long a joining peer waits for the swarm's state (and for wait_for_peers).",
+    )
+    wait_for_peers: int = Field(
+        1,
+        ge=1,
+        description="At start, wait until this many peers (this one included) are in the swarm, so they "
+        "begin in step; `muloco launch --backend hivemind --nproc N` sets N.",
+    )
+
+
 class BackendConfig(Section):
-    kind: Literal["local", "torch"] = Field(
+    kind: Literal["local", "torch", "hivemind"] = Field(
         "local",
         description="local: all replicas in this process; torch: torch.distributed, one process per rank "
-        "(`muloco launch --nproc N` or torchrun; under torchrun `local` switches to `torch` by itself).",
+        "(`muloco launch --nproc N` or torchrun; under torchrun `local` switches to `torch` by itself); "
+        "hivemind: one peer of a decentralized swarm (docs/backends.md).",
     )
     local: LocalBackendConfig = Field(default_factory=LocalBackendConfig)
     torch: TorchBackendConfig = Field(default_factory=TorchBackendConfig)
+    hivemind: HivemindBackendConfig = Field(default_factory=HivemindBackendConfig)
 
 
 class SimulationConfig(Section):
@@ -429,6 +491,11 @@ class Config(Section):
                     f"ranks_per_worker ({self.ranks_per_worker}) must divide a worker's micro-batches per "
                     f"step ({self.worker_batch_tokens // micro}); set train.micro_batch_tokens to fit"
                 )
+        if self.backend.kind == "hivemind" and (self.method == "dp" or self.ranks_per_worker > 1):
+            raise ValueError(
+                "backend.kind=hivemind runs method: diloco with one process per worker (ranks_per_worker=1); "
+                "use backend.kind=torch for method: dp or workers of several ranks"
+            )
         if self.method == "dp" and self.sync.streaming:
             raise ValueError(
                 "sync.fragments/overlap/alpha (Streaming DiLoCo) apply to method: diloco; with method: dp "
@@ -602,6 +669,8 @@ def _is_text_field(annotation: Any) -> bool:
     """True for str, str | None and Literal[...] of strings: fields whose override is taken verbatim."""
     if annotation is str:
         return True
+    if typing.get_origin(annotation) in (list, tuple, dict):
+        return False  # list[str] etc.: parsed as YAML ([a, b])
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is Literal:
         return all(isinstance(a, str) for a in args)

@@ -1,14 +1,23 @@
-"""`muloco launch --nproc N CONFIG [KEY=VALUE ...]`: N local processes of `muloco train`, wired as torchrun
-would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT).
+"""`muloco launch --nproc N [--backend torch|hivemind] CONFIG [KEY=VALUE ...]`: N local processes of
+`muloco train`.
 
-Each line a process prints is prefixed with its rank. Ctrl+C / SIGTERM are forwarded to every process. When
-one process fails, the others are ended (SIGTERM, then SIGKILL after a grace period) and the launcher exits
-with the failed rank's exit code, after repeating that rank's last error line.
+torch: wired as torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT).
+When one process fails, the others are ended (SIGTERM, then SIGKILL after a grace period): they could only
+wait for it.
+hivemind: a local swarm. Peer 0 starts a new swarm; once it prints its multiaddrs the others join it
+(`backend.hivemind.initial_peers`). Each peer is a run of its own (`run.name=<name>-peer<i>`, data shard i).
+Peers are independent: one that fails does not stop the others, which go on without it.
+
+Each line a process prints is prefixed with its rank. Ctrl+C / SIGTERM are forwarded to every process. The
+launcher exits with the first failed process's exit code, after repeating its last error line.
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +27,8 @@ import time
 from collections import deque
 
 GRACE_S = 10.0  # how long ended processes get to write their checkpoint before SIGKILL
+SWARM_START_TIMEOUT_S = 120.0  # how long peer 0 may take to print its multiaddrs
+_MADDRS = re.compile(r"join with backend\.hivemind\.initial_peers=(\[.*\])")
 
 
 def free_port() -> int:
@@ -34,7 +45,9 @@ def _pump(stream, prefix: str, sink, tail: deque) -> None:
     stream.close()
 
 
-def launch(nproc: int, config: str, overrides: list[str], backend: str = "torch") -> int:
+def launch(
+    nproc: int, config: str, overrides: list[str], backend: str = "torch", run_name: str = "run"
+) -> int:
     if nproc < 1:
         print(f"muloco: error: --nproc must be >= 1, got {nproc}", file=sys.stderr)
         return 2
@@ -42,7 +55,19 @@ def launch(nproc: int, config: str, overrides: list[str], backend: str = "torch"
     procs: list[subprocess.Popen] = []
     tails: list[deque] = []
     threads = []
+    swarm_maddrs: list[str] = []
     for rank in range(nproc):
+        extra = []
+        if backend == "hivemind":
+            extra = [f"run.name={run_name}-peer{rank}", f"backend.hivemind.wait_for_peers={nproc}"]
+            if rank > 0:
+                swarm_maddrs = swarm_maddrs or _wait_for_maddrs(procs[0], tails[0])
+                if not swarm_maddrs:
+                    _end_all(procs)
+                    last = next((line for line in reversed(tails[0]) if line.strip()), "")
+                    print(f"muloco: error: peer 0 did not start a swarm: {last}", file=sys.stderr)
+                    return 1
+                extra.append(f"backend.hivemind.initial_peers={json.dumps(swarm_maddrs)}")
         env = {
             **os.environ,
             "RANK": str(rank),
@@ -55,7 +80,7 @@ def launch(nproc: int, config: str, overrides: list[str], backend: str = "torch"
         }
         if "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))  # share the cores
-        cmd = [sys.executable, "-m", "muloco", "train", config, *overrides, f"backend.kind={backend}"]
+        cmd = [sys.executable, "-m", "muloco", "train", config, *overrides, f"backend.kind={backend}", *extra]
         # Own process group: a terminal's Ctrl+C reaches the launcher only, which forwards it once.
         proc = subprocess.Popen(
             cmd,
@@ -90,7 +115,8 @@ def launch(nproc: int, config: str, overrides: list[str], backend: str = "torch"
                 code = p.poll()
                 if code not in (None, 0) and failed_rank is None and not forwarded:
                     failed_rank = rank
-                    _end_all(procs)
+                    if backend != "hivemind":  # torch ranks would only wait for the failed one
+                        _end_all(procs)
             time.sleep(0.1)
     finally:
         _end_all(procs)
@@ -107,6 +133,18 @@ def launch(nproc: int, config: str, overrides: list[str], backend: str = "torch"
     last = next((line for line in reversed(tails[failed_rank]) if line.strip()), "")
     print(f"muloco: rank {failed_rank} exited with code {code}: {last}", file=sys.stderr)
     return code if code and code > 0 else 1
+
+
+def _wait_for_maddrs(proc: subprocess.Popen, tail: deque) -> list[str]:
+    """Peer 0's multiaddrs, from the line it logs once its swarm is up (empty if it died or timed out)."""
+    deadline = time.monotonic() + SWARM_START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in list(tail):
+            match = _MADDRS.search(line)
+            if match:
+                return [str(m) for m in ast.literal_eval(match.group(1))]
+        time.sleep(0.1)
+    return []
 
 
 def _load_prctl():
@@ -126,6 +164,13 @@ def _die_with_parent() -> None:
     rank is left waiting on a collective. Elsewhere a no-op."""
     if _PRCTL is not None:
         _PRCTL(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+
+def die_with_parent() -> None:
+    """In a forked helper process (hivemind's DHT and averagers): SIGKILL it when its parent dies, however
+    the parent dies, so a killed peer leaves no orphans behind."""
+    if _PRCTL is not None:
+        _PRCTL(1, int(signal.SIGKILL))
 
 
 def _end_all(procs: list[subprocess.Popen]) -> None:

@@ -22,6 +22,8 @@ from muloco.comm import Backend, CompletedHandle, Handle
 class Mean(NamedTuple):
     values: list[torch.Tensor] | None  # None when no replica contributed
     contributors: int
+    left_out: int | None = None  # replicas excluded (hivemind: group members dropped); None: K - contributors
+    group_size: int | None = None  # hivemind: peers in the group, this one included
 
 
 class PendingMean:

@@ -39,6 +39,7 @@ from muloco.metrics import MetricsLogger, start_wandb
 from muloco.models import build_model, param_roles
 from muloco.optim import build_inner_optimizer
 from muloco.outer import OuterOptimizer
+from muloco.peer import SwarmPeer, peer_index
 from muloco.reduce import Mean, PendingMean, share_with_worker, start_mean_compressed, start_mean_uncompressed
 from muloco.replica import Replica, forward_backward, set_lr_multiplier
 from muloco.schedule import SyncSchedule, assign_fragments
@@ -148,6 +149,8 @@ class Trainer:
                 "change workers"
             )
         self.local_indices = list(range(g * (K // G), (g + 1) * (K // G)))
+        if cfg.backend.kind == "hivemind":
+            self.local_indices = [peer_index(cfg)]  # one replica per peer: its data shard
 
         seq_len = cfg.model.seq_len
         self.data = load_data(cfg.data, seq_len)
@@ -168,6 +171,10 @@ class Trainer:
         self.outer = self._build_outer(template) if cfg.method == "diloco" else None
         self.fragments, self.codecs = self._build_fragments(template) if self.outer else ([], [])
         self.schedule = SyncSchedule(cfg.sync.every, cfg.sync.fragments, cfg.sync.overlap)
+        self.swarm = None
+        if cfg.backend.kind == "hivemind":
+            shapes = [[self.outer.params[i].shape for i in indices] for indices in self.fragments]
+            self.swarm = SwarmPeer(cfg, shapes, self.codecs)
         bandwidth = cfg.backend.local.bandwidth_mbps
         self.link = Link(bandwidth, cfg.backend.local.latency_ms) if bandwidth else None
         self.autocast = self._autocast_factory()
@@ -192,6 +199,8 @@ class Trainer:
         self.stop_signal: int | None = None
         self.resumed_from: Path | None = None
         self._resume()
+        if self.swarm is not None:
+            self._join_swarm()
         if self.is_main:
             write_resolved_config(cfg, self.run_dir)
 
@@ -242,6 +251,55 @@ class Trainer:
                 subset = [names[i] for i in indices]
                 codecs.append(PseudogradientCodec.from_config(subset, roles, self.cfg.compression))
         return fragments, codecs
+
+    # -- hivemind: one peer of a swarm (muloco/peer.py) ----------------------------------------------------
+    def _join_swarm(self) -> None:
+        """A peer joining a running swarm (and without a checkpoint of its own) first loads the swarm's
+        global parameters, outer momentum and step counters; then it serves its own to later joiners and
+        waits for backend.hivemind.wait_for_peers peers."""
+        if self.resumed_from is None and self.cfg.backend.hivemind.initial_peers:
+            self._load_swarm_state()
+        self._serve_swarm_state()
+        self.swarm.wait_for_peers(self.fragment_syncs)
+
+    def _load_swarm_state(self) -> bool:
+        """Global parameters, outer momentum and step counters from a peer; the replicas restart there."""
+        found = self.swarm.load_state()
+        if found is None:
+            return False
+        tensors, meta = found
+        n = len(self.outer.params)
+        self.outer.load_state_dict(
+            {"names": self.outer.names, "params": tensors[:n], "momentum_buffers": tensors[n:]}
+        )
+        self.step, self.outer_steps = meta["step"], meta["outer_steps"]
+        self.fragment_syncs = meta["fragment_syncs"]
+        for replica in self.replicas:
+            replica.load_global(self.outer.params)
+            replica.inner_steps = self.step
+        self.round_losses = []
+        log.info("hivemind: loaded the swarm's state: step=%d outer_steps=%d", self.step, self.outer_steps)
+        return True
+
+    def _serve_swarm_state(self) -> None:
+        meta = {"step": self.step, "outer_steps": self.outer_steps, "fragment_syncs": self.fragment_syncs}
+        self.swarm.serve([*self.outer.params, *self.outer.momentum_buffers], meta)
+
+    def _catch_up_with_the_swarm(self) -> None:
+        """A peer that is behind the swarm (it cannot average with peers at another step) loads the swarm's
+        state and continues from there."""
+        self._serve_swarm_state()
+        ahead = self.swarm.publish_and_check(self.fragment_syncs)
+        if ahead is None or self.in_flight or self.step >= self.total_steps:
+            return
+        log.warning(
+            "hivemind: this peer is behind (%d syncs, the swarm %d): loading its state",
+            self.fragment_syncs,
+            ahead,
+        )
+        if self._load_swarm_state():
+            self._serve_swarm_state()
+            self.swarm.publish_and_check(self.fragment_syncs)
 
     def _build_outer(self, template) -> OuterOptimizer:
         outer = self.cfg.outer
@@ -395,6 +453,8 @@ class Trainer:
             self._restore_signal_handlers(previous_handlers)
             self.metrics.close()
             self.backend.close()
+            if self.swarm is not None:
+                self.swarm.close()
             summary = self._write_summary(status)
             if wandb_run is not None:
                 wandb_run.summary.update(
@@ -505,15 +565,15 @@ class Trainer:
         #    order; the local backend completes at once, torch.distributed works in the background.
         with record_function("muloco::reduce"):
             numel = sum(p.numel() for p in global_params)
-            result = self._start_mean(delta_sum, codec, messages, healthy, global_params)
+            result = self._start_mean(fragment, delta_sum, codec, messages, healthy, global_params)
             if codec is None:
                 payload_bytes = 4 * numel
                 sent = ring_allreduce_bytes(payload_bytes, K)
             else:
                 payload_bytes = sum(len(m) for m in messages) / len(messages) if messages else 0.0
                 sent = ring_allgather_bytes(payload_bytes, K)
-        self.bytes_sent += sent
-        self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, sent)
+        if self.swarm is None:  # hivemind: counted when the group is known (_finish_sync)
+            self._count_bytes(sent)
         if payload_bytes:
             self.payload_by_fragment[fragment] = payload_bytes
         if self.link is not None:
@@ -545,6 +605,7 @@ class Trainer:
 
     def _start_mean(
         self,
+        fragment: int,
         delta_sum: list[torch.Tensor] | None,
         codec: PseudogradientCodec | None,
         messages: list[bytes],
@@ -554,6 +615,8 @@ class Trainer:
         """Start the mean over all K replicas across workers (on each worker's lead rank), shared with the
         worker's other ranks when R > 1. Every process calls the same collectives in the same order."""
         K, topology = self.cfg.workers, self.topology
+        if self.swarm is not None:
+            return self.swarm.start_mean(fragment, self.step, delta_sum, codec, messages, healthy)
         pending = None
         if topology.sync is not None:
             if codec is None:
@@ -579,10 +642,17 @@ class Trainer:
         if finite:
             with record_function("muloco::outer_step"):
                 update_norm = self.outer.step(mean.values, None if len(self.fragments) == 1 else indices)
-        left_out = self.cfg.workers - mean.contributors if finite else self.cfg.workers
+        left_out = self.cfg.workers - mean.contributors if mean.left_out is None else mean.left_out
+        if not finite:
+            left_out = max(left_out, 1)
         self._count_bad_sync(left_out, f"sync of fragment {sync.fragment} at step {self.step}")
         self.fragment_syncs += 1
         self.outer_steps = self.fragment_syncs // len(self.fragments)
+        swarm = {}
+        if self.swarm is not None:
+            # Each member uploads its payload to every other member of the group (a mesh all-gather).
+            self._count_bytes((mean.group_size - 1) * sync.stats["payload_bytes"])
+            swarm = {"group_size": mean.group_size}
 
         # 5. Merge: local <- alpha local + (1 - alpha) global (alpha = 0: restart from the global ones).
         alpha = self.cfg.sync.alpha
@@ -612,7 +682,14 @@ class Trainer:
             payload_bytes=stats["payload_bytes"],
             bits_per_param=stats["bits_per_param"],
             **streaming,
+            **swarm,
         )
+        if self.swarm is not None:
+            self._catch_up_with_the_swarm()
+
+    def _count_bytes(self, sent: float) -> None:
+        self.bytes_sent += sent
+        self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, sent)
 
     def _count_bad_sync(self, left_out: int, what: str) -> None:
         """train.max_bad_syncs syncs in a row that left a replica out (non-finite) stop the run; the last

@@ -21,8 +21,8 @@ def build_backend(cfg) -> Backend:
             "WORLD_SIZE=%s is set (torchrun): using backend.kind=torch", os.environ["WORLD_SIZE"]
         )
         kind = "torch"
-    if kind == "local":
-        return LocalBackend()
+    if kind in ("local", "hivemind"):
+        return LocalBackend()  # a hivemind peer is a world of its own; the trainer joins the swarm
     if kind == "torch":
         from muloco.comm.torch_dist import TorchDistBackend
 

@@ -1,0 +1,477 @@
+"""hivemind backend: timeout derivation, the compression adapter, the combine rule (fast); swarms of peers on
+loopback (slow): each peer is a subprocess (tests/comm/hivemind_peer.py) in its own process group, so that
+SIGKILL takes its DHT, averagers and p2p daemon down with it, as when a machine dies."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("hivemind")
+
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor  # noqa: E402
+
+from muloco.comm import hivemind_backend  # noqa: E402
+from muloco.comm.hivemind_backend import (  # noqa: E402
+    HivemindSettings,
+    MulocoCompression,
+    contribution_problem,
+    derive_timeouts,
+    is_loopback,
+    mean_in_order,
+    norm_outliers,
+    unwrap_payload,
+    wrap_payload,
+)
+from muloco.compress import CompressionError, get_compressor  # noqa: E402
+from muloco.errors import ConfigError  # noqa: E402
+
+PEER_SCRIPT = Path(__file__).with_name("hivemind_peer.py")
+STALL_MARKER = "hivemind_peer: stalled while serving payloads"  # as in hivemind_peer.py
+SHAPES = [[16, 32], [32]]
+REPLY_SLACK_S = 30.0  # on top of a sync's worst case: 2 busy cores
+
+
+# ---- fast: no network -----------------------------------------------------------------------------------
+
+
+def test_derived_timeouts_follow_the_documented_formula():
+    # 10 MB over 100 Mbit/s to 3 others: transfer = 8 x 1e7 x 3 / 1e8 = 2.4 s.
+    t = derive_timeouts(10_000_000, bandwidth_mbps=100, group_size=4)
+    assert t.averaging_timeout == pytest.approx(max(15.0, 3 * 2.4 + 2))
+    assert t.matchmaking_time == pytest.approx(5.0)  # the WAN floor beats 2.4 / 2
+    assert t.request_timeout < t.matchmaking_time  # hivemind's deadlock note
+    assert t.worst_case == pytest.approx(2 * t.matchmaking_time + t.averaging_timeout)
+
+    slow = derive_timeouts(100_000_000, bandwidth_mbps=10, group_size=8)  # 8 x 1e8 x 7 / 1e7 = 560 s
+    assert slow.averaging_timeout == pytest.approx(3 * 560 + 2)
+    assert slow.matchmaking_time == 30.0  # capped
+    assert slow.request_timeout == 5.0
+
+
+def test_derived_timeouts_floors_defaults_and_explicit_values():
+    tiny = derive_timeouts(1000, loopback=True)
+    assert (tiny.matchmaking_time, tiny.averaging_timeout) == (2.0, 5.0)
+    assert (derive_timeouts(1000).matchmaking_time, derive_timeouts(1000).averaging_timeout) == (5.0, 15.0)
+    # No bandwidth: 100 Mbit/s; no group size: 4.
+    assert derive_timeouts(50_000_000) == derive_timeouts(50_000_000, 100.0, 4)
+    explicit = derive_timeouts(50_000_000, matchmaking_time=7.0, averaging_timeout=42.0)
+    assert (explicit.matchmaking_time, explicit.averaging_timeout) == (7.0, 42.0)
+    # More bytes, less bandwidth, bigger groups: never shorter.
+    assert derive_timeouts(2e8).averaging_timeout > derive_timeouts(1e8).averaging_timeout
+    assert derive_timeouts(1e8, 10).averaging_timeout > derive_timeouts(1e8, 100).averaging_timeout
+    assert derive_timeouts(1e8, group_size=16).averaging_timeout > derive_timeouts(1e8).averaging_timeout
+
+
+def test_is_loopback():
+    assert is_loopback(["/ip4/127.0.0.1/tcp/0", "/ip6/::1/tcp/4000"])
+    assert not is_loopback(["/ip4/127.0.0.1/tcp/0", "/ip4/0.0.0.0/tcp/31337"])
+
+
+@pytest.mark.parametrize(
+    "scheme, bits, rel_err", [("none", 8, 0.0), ("statistical", 4, 0.2), ("statistical", 8, 0.04)]
+)
+def test_compression_adapter_round_trip(scheme, bits, rel_err):
+    comp = get_compressor(scheme, bits=bits, granularity="row")
+    adapter = MulocoCompression(comp)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    message = adapter.compress(x, CompressionInfo.from_tensor(x))
+    assert adapter.extract(message).shape == x.shape
+    assert torch.equal(adapter.extract(message), comp.decode(comp.encode(x)))  # exactly our codec
+    assert (adapter.extract(message) - x).norm() <= rel_err * x.norm()
+    # hivemind's own deserializer reads the message as the payload bytes, never as misread values.
+    raw = deserialize_torch_tensor(message)
+    assert raw.dtype == torch.uint8 and raw.numpy().tobytes() == comp.encode(x)
+    ratio = adapter.estimate_compression_ratio(CompressionInfo.from_tensor(x))
+    assert ratio == pytest.approx(comp.payload_nbytes(x.shape) / (4 * x.numel()))
+
+
+def test_compression_adapter_rejects_foreign_or_corrupt_messages():
+    adapter = MulocoCompression(get_compressor("statistical", bits=4))
+    payload = bytearray(adapter.compressor.encode(torch.randn(4, 8)))
+    payload[-1] ^= 0xFF  # the CRC no longer matches
+    with pytest.raises(CompressionError):
+        adapter.extract(wrap_payload(bytes(payload)))
+    from hivemind.compression import NoCompression as HivemindNoCompression
+
+    fp32 = HivemindNoCompression().compress(torch.ones(3), CompressionInfo.from_tensor(torch.ones(3)))
+    with pytest.raises(CompressionError, match="uint8"):
+        unwrap_payload(fp32)
+    # A payload compressed with other settings: the workers disagree on the compression config.
+    other = get_compressor("statistical", bits=8).encode(torch.randn(4, 8))
+    with pytest.raises(CompressionError, match="same compression config"):
+        adapter.extract(wrap_payload(other))
+
+
+def test_contribution_checks():
+    shapes = [torch.Size([2, 3]), torch.Size([3])]
+    good = [torch.zeros(2, 3), torch.zeros(3)]
+    assert contribution_problem(good, shapes) is None
+    assert "expected 2" in contribution_problem(good[:1], shapes)
+    assert "shape" in contribution_problem([torch.zeros(3, 2), torch.zeros(3)], shapes)
+    assert "dtype" in contribution_problem([torch.zeros(2, 3, dtype=torch.float64), torch.zeros(3)], shapes)
+    assert "non-finite" in contribution_problem([torch.zeros(2, 3), torch.tensor([0, math.inf, 0])], shapes)
+
+
+def test_norm_outliers_use_the_lower_median():
+    assert set(norm_outliers({"a": 1.0, "b": 1.2, "c": 100.0}, 10.0)) == {"c"}
+    assert set(norm_outliers({"a": 1.0, "b": 100.0}, 10.0)) == {"b"}  # two peers: the bigger is caught
+    assert norm_outliers({"a": 1.0, "b": 9.0}, 10.0) == {}
+    assert norm_outliers({"a": 0.0, "b": 0.0, "c": 5.0}, 10.0) == {}  # median 0: flags nothing
+    assert norm_outliers({"a": 1.0}, 10.0) == {}
+
+
+def test_mean_in_order():
+    mean = mean_in_order([[torch.tensor([1.0, 2.0])], [torch.tensor([3.0, 6.0])]])
+    assert torch.equal(mean[0], torch.tensor([2.0, 4.0]))
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"run_id": "a.b"}, "run_id"),
+        ({"min_group_size": 1}, "min_group_size"),
+        ({"target_group_size": 1}, "target_group_size"),
+        ({"on_no_group": "wait"}, "on_no_group"),
+        ({"bandwidth_mbps": 0}, "bandwidth_mbps"),
+        ({"matchmaking_time": -1.0}, "matchmaking_time"),
+        ({"max_norm_ratio": 1.0}, "max_norm_ratio"),
+        ({"initial_peers": "/ip4/1.2.3.4/tcp/1"}, "initial_peers"),
+        ({"host_maddrs": []}, "host_maddrs"),
+    ],
+)
+def test_settings_name_the_bad_field(overrides, field):
+    with pytest.raises(ConfigError, match=f"backend.hivemind.{field}"):
+        HivemindSettings(**overrides)
+
+
+def test_the_swarm_needs_the_fork_start_method(monkeypatch):
+    monkeypatch.setattr(
+        hivemind_backend.multiprocessing, "get_start_method", lambda allow_none=False: "spawn"
+    )
+    with pytest.raises(RuntimeError, match="set_start_method\\('fork'"):
+        hivemind_backend.require_fork_start_method()
+
+
+# ---- slow: swarms on loopback ---------------------------------------------------------------------------
+
+
+class PeerProcess:
+    """One peer subprocess; `call` sends a command and waits for its reply (with a timeout)."""
+
+    def __init__(self, log_dir: Path, name: str) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER_SCRIPT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log_path.open("w"),
+            text=True,
+            start_new_session=True,  # its own process group: killpg reaches hivemind's children
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self.replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.peer_id: str | None = None
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.replies.put(json.loads(line))
+        self.replies.put({"error": f"{self.name} exited with code {self.proc.wait()}"})
+
+    def send(self, **command) -> None:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self, timeout: float):
+        try:
+            got = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"{self.name}: no reply within {timeout} s; see {self.log_path}") from None
+        if isinstance(got, dict) and "error" in got:
+            raise AssertionError(f"{self.name}: {got['error']}; see {self.log_path}")
+        return got
+
+    def call(self, reply_within: float = 60.0, **command):
+        self.send(**command)
+        return self.reply(reply_within)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the driver, DHT, averagers, p2pd), as a machine dying."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send(cmd="exit")
+                self.proc.wait(timeout=20)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()  # also reaps any straggler of its group
+
+
+@pytest.fixture(scope="module")
+def spawn(tmp_path_factory):
+    """spawn(name) -> PeerProcess; every one is stopped (then SIGKILLed) when the module ends."""
+    log_dir = tmp_path_factory.mktemp("hivemind_peers")
+    started: list[PeerProcess] = []
+
+    def start(name: str) -> PeerProcess:
+        started.append(PeerProcess(log_dir, name))
+        return started[-1]
+
+    yield start
+    for peer in started:
+        peer.stop()
+
+
+@pytest.fixture(scope="module")
+def trio(spawn):
+    return [spawn(f"peer{i}") for i in range(3)]
+
+
+def open_swarm(peers, run_id, compression=None, initial=None, **settings) -> dict:
+    """Open a swarm on `peers` (the first bootstraps unless `initial` multiaddrs are given); returns the
+    first peer's open reply (visible_maddrs, timeouts)."""
+    first = None
+    if initial is None:
+        first = peers[0].call(cmd="open", settings={"run_id": run_id, **settings}, shapes=SHAPES,
+                              compression=compression)  # fmt: skip
+        peers[0].peer_id = first["peer_id"]
+        initial, peers = first["visible_maddrs"], peers[1:]
+    for p in peers:
+        p.send(cmd="open", settings={"run_id": run_id, "initial_peers": initial, **settings}, shapes=SHAPES,
+               compression=compression)  # fmt: skip
+    for p in peers:
+        reply = p.reply(60)
+        p.peer_id = reply["peer_id"]
+        first = first or reply
+    return first
+
+
+def close_swarm(peers) -> None:
+    for p in peers:
+        if p.proc.poll() is None:
+            p.send(cmd="close")
+    for p in peers:
+        if p.proc.poll() is None:
+            p.reply(60)
+
+
+def contribution(seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [scale * torch.randn(s, generator=gen) for s in SHAPES]
+
+
+def as_lists(tensors: list[torch.Tensor]) -> list[list[float]]:
+    return [t.reshape(-1).tolist() for t in tensors]
+
+
+def average(peers, step, tensors_by_peer, worst_case, tampers=None) -> list[dict]:
+    """Start a sync on every peer at once, then collect every result."""
+    tampers = tampers or [None] * len(peers)
+    for p, tensors, tamper in zip(peers, tensors_by_peer, tampers):
+        p.send(cmd="average", step=step, tensors=as_lists(tensors), tamper=tamper)
+    return [p.reply(worst_case + REPLY_SLACK_S) for p in peers]
+
+
+def decoded_mean(compression, contributions) -> list[list[float]]:
+    comp = get_compressor(**(compression or {"scheme": "none"}))
+    decoded = [[comp.decode(comp.encode(t)) for t in c] for c in contributions]
+    return as_lists([torch.stack(ts).mean(0) for ts in zip(*decoded)])
+
+
+def assert_close(got: list[list[float]], expected: list[list[float]], atol: float = 1e-6) -> None:
+    for g, e in zip(got, expected):
+        assert torch.allclose(torch.tensor(g), torch.tensor(e), atol=atol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "compression",
+    [None, {"scheme": "statistical", "bits": 4, "granularity": "row"}],
+    ids=["fp32", "statistical4"],
+)
+def test_three_peers_hold_the_same_mean(trio, compression):
+    opened = open_swarm(trio, f"same-{uuid.uuid4().hex[:8]}", compression, target_group_size=3)
+    try:
+        contributions = [contribution(seed) for seed in range(3)]
+        results = average(trio, 0, contributions, opened["timeouts"]["worst_case"])
+        for r in results:
+            assert (r["averaged"], r["group_size"], r["excluded"]) == (True, 3, 0), r["excluded_reasons"]
+            assert r["mean"] == results[0]["mean"]  # bit for bit on every peer
+        # The mean of what each peer's payloads decode to (4-bit: not the mean of the raw tensors).
+        assert_close(results[0]["mean"], decoded_mean(compression, contributions))
+    finally:
+        close_swarm(trio)
+
+
+@pytest.mark.slow
+def test_bad_contributions_are_excluded_on_every_peer(trio):
+    opened = open_swarm(trio, f"bad-{uuid.uuid4().hex[:8]}", target_group_size=3)
+    worst = opened["timeouts"]["worst_case"]
+    bad_peer = trio[2].peer_id
+    try:
+        for step, (scale, tamper, why) in enumerate(
+            [
+                (math.nan, None, "withheld"),  # a diverged peer: its own check keeps it from sending
+                (1.0, "nan_payload", "non-finite"),  # a buggy or hostile peer sends NaN anyway
+                (100.0, None, "norm"),  # 100 x the others' norm
+            ]
+        ):
+            contributions = [contribution(10 * step), contribution(10 * step + 1), contribution(7, scale)]
+            results = average(trio, step, contributions, worst, tampers=[None, None, tamper])
+            for r in results:
+                assert (r["averaged"], r["group_size"], r["excluded"]) == (True, 3, 1), r
+                assert list(r["excluded_reasons"]) == [bad_peer] and why in r["excluded_reasons"][bad_peer]
+                assert r["mean"] == results[0]["mean"]
+            assert_close(results[0]["mean"], decoded_mean(None, contributions[:2]))
+    finally:
+        close_swarm(trio)
+
+
+@pytest.mark.slow
+def test_a_peer_with_another_run_id_never_joins(trio, spawn):
+    stranger = spawn("stranger")
+    opened = open_swarm(trio, f"ours-{uuid.uuid4().hex[:8]}")
+    try:
+        # Same DHT (it bootstraps from our first peer), other run_id.
+        open_swarm([stranger], f"theirs-{uuid.uuid4().hex[:8]}", initial=opened["visible_maddrs"])
+        results = average(
+            [*trio, stranger], 0, [contribution(s) for s in range(4)], opened["timeouts"]["worst_case"]
+        )
+        for r in results[:3]:
+            assert (r["averaged"], r["group_size"]) == (True, 3)
+        alone = results[3]
+        assert (alone["averaged"], alone["group_size"]) == (False, 1)
+        assert_close(alone["mean"], decoded_mean(None, [contribution(3)]))  # on_no_group=apply_own
+    finally:
+        close_swarm([*trio, stranger])
+        stranger.stop()
+
+
+@pytest.mark.slow
+def test_a_late_joiner_loads_the_state_then_averages_with_the_others(trio, spawn):
+    joiner = spawn("joiner")
+    run_id = f"join-{uuid.uuid4().hex[:8]}"
+    opened = open_swarm(trio, run_id)
+    try:
+        state = as_lists(contribution(42)) + as_lists(contribution(43))  # global params + outer momentum
+        meta = {"outer_step": 5, "outer_lr": 0.7}
+        for p in trio:
+            p.call(cmd="share_state", tensors=state, meta=meta)
+            p.call(cmd="publish_outer_step", step=5)
+        open_swarm([joiner], run_id, initial=opened["visible_maddrs"])
+        loaded = joiner.call(cmd="load_state", timeout=20)
+        assert loaded is not None, "the joiner found no state"
+        assert loaded["meta"] == meta and loaded["tensors"] == state  # exact: the state travels as fp32
+        swarm_steps = joiner.call(cmd="swarm_outer_step")
+        assert swarm_steps == {"step": 5, "peers": {p.peer_id: 5 for p in trio}}
+
+        joiner.call(cmd="publish_outer_step", step=5)
+        everyone = [*trio, joiner]
+        results = average(everyone, 5, [contribution(s) for s in range(4)], opened["timeouts"]["worst_case"])
+        for r in results:
+            assert (r["averaged"], r["group_size"], r["excluded"]) == (True, 4, 0), r["excluded_reasons"]
+            assert r["mean"] == results[0]["mean"]
+    finally:
+        close_swarm([*trio, joiner])
+        joiner.stop()
+
+
+@pytest.mark.slow
+def test_a_peer_killed_mid_exchange_costs_the_others_at_most_one_timeout(trio, spawn):
+    victim = spawn("victim")
+    run_id = f"kill-{uuid.uuid4().hex[:8]}"
+    opened = open_swarm(trio, run_id)
+    t = opened["timeouts"]
+    everyone = [*trio, victim]
+    try:
+        open_swarm([victim], run_id, initial=opened["visible_maddrs"])
+        results = average(everyone, 0, [contribution(s) for s in range(4)], t["worst_case"])
+        assert [(r["averaged"], r["group_size"]) for r in results] == [(True, 4)] * 4
+
+        # The group of 4 forms; the victim hangs while the others download its payloads, and its machine
+        # dies then (SIGKILL of its whole process group).
+        for p, seed, tamper in zip(everyone, range(4), [None, None, None, "stall_serving"]):
+            p.send(cmd="average", step=1, tensors=as_lists(contribution(seed)), tamper=tamper)
+        deadline = time.monotonic() + t["worst_case"]
+        while STALL_MARKER not in victim.log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        victim.kill()
+        survivors = [p.reply(t["worst_case"] + REPLY_SLACK_S) for p in trio]
+        for r in survivors:
+            assert (r["averaged"], r["group_size"], r["excluded"]) == (True, 4, 1), r
+            assert list(r["excluded_reasons"]) == [victim.peer_id]
+            assert r["mean"] == survivors[0]["mean"]
+            # A sync takes ~ matchmaking_time; the death adds at most averaging_timeout (+ 2 busy cores).
+            assert r["elapsed_s"] <= t["worst_case"] + 3.0, r
+
+        after = average(trio, 2, [contribution(s) for s in range(3)], t["worst_case"])
+        for r in after:
+            assert (r["averaged"], r["group_size"], r["excluded"]) == (True, 3, 0), r["excluded_reasons"]
+            assert r["mean"] == after[0]["mean"]
+    finally:
+        close_swarm(trio)
+        victim.stop()
+
+
+@pytest.mark.slow
+def test_a_hung_peer_is_dropped_after_the_averaging_timeout(trio, spawn):
+    hung = spawn("hung")
+    run_id = f"hang-{uuid.uuid4().hex[:8]}"
+    opened = open_swarm(trio, run_id, target_group_size=4)
+    t = opened["timeouts"]
+    try:
+        open_swarm([hung], run_id, initial=opened["visible_maddrs"], target_group_size=4)
+        for p, seed, tamper in zip([*trio, hung], range(4), [None, None, None, "stall_serving"]):
+            p.send(cmd="average", step=0, tensors=as_lists(contribution(seed)), tamper=tamper)
+        survivors = [p.reply(t["worst_case"] + REPLY_SLACK_S) for p in trio]
+        for r in survivors:
+            assert (r["averaged"], r["group_size"], r["excluded"]) == (True, 4, 1), r
+            assert "timed out" in r["excluded_reasons"][hung.peer_id]
+            assert t["averaging_timeout"] <= r["elapsed_s"] <= t["worst_case"] + 3.0
+            assert r["mean"] == survivors[0]["mean"]
+        assert_close(survivors[0]["mean"], decoded_mean(None, [contribution(s) for s in range(3)]))
+    finally:
+        hung.kill()
+        close_swarm(trio)
+
+
+ALONE = """
+import signal, psutil, torch
+from muloco.comm.hivemind_backend import HivemindSettings, HivemindSwarm
+handler = signal.getsignal(signal.SIGINT)
+swarm = HivemindSwarm(HivemindSettings(run_id="alone", matchmaking_time=0.5), [[torch.Size([3])]])
+assert signal.getsignal(signal.SIGINT) is handler, "hivemind left SIGINT ignored"
+result = swarm.start_average(0, [torch.ones(3)], step=0).wait()
+assert (result.averaged, result.group_size) == (False, 1) and torch.equal(result.mean[0], torch.ones(3))
+swarm.close()
+swarm.close()  # idempotent
+left = [c.name() for c in psutil.Process().children(recursive=True) if c.name() != "torch_shm_manager"]
+assert not left, left
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_a_lone_peer_applies_its_own_keeps_ctrl_c_and_closes_cleanly():
+    done = subprocess.run([sys.executable, "-c", ALONE], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

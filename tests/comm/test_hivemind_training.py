@@ -1,0 +1,178 @@
+"""Training over hivemind (loopback swarms started by `muloco launch --backend hivemind`): peers stay equal,
+a killed peer costs the others at most a timeout, a late joiner catches up, another run_id never mixes."""
+
+import json
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from test_helpers import run_muloco, start_muloco
+
+from muloco.checkpoint import list_checkpoints, load_checkpoint
+
+pytest.importorskip("hivemind")
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+QS = str(ROOT / "configs/quickstart.yaml")
+
+
+def common(tmp_path, TINY, total_tokens=6144):
+    return [
+        *TINY,
+        "workers=3",
+        "train.batch_tokens=384",
+        f"train.total_tokens={total_tokens}",
+        "sync.every=3",
+        "backend.hivemind.target_group_size=3",  # a full group starts at once (no matchmaking wait)
+        f"run.output_dir={tmp_path}",
+        "run.name=swarm",
+    ]
+
+
+def syncs(run_dir: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "sync"]
+
+
+def global_params(run_dir: Path) -> list[torch.Tensor]:
+    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])["outer"]["params"]
+
+
+@pytest.mark.parametrize(
+    "compression", [[], ["compression.scheme=statistical", "compression.bits=4"]], ids=["fp32", "stat4"]
+)
+def test_three_peers_average_every_sync_and_stay_equal(tmp_path, TINY, compression):
+    result = run_muloco(
+        "launch",
+        "--nproc",
+        3,
+        "--backend",
+        "hivemind",
+        QS,
+        *common(tmp_path, TINY),
+        *compression,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    peers = [tmp_path / f"swarm-peer{i}" for i in range(3)]
+    for run_dir in peers:
+        records = syncs(run_dir)
+        assert len(records) == 6 and all(  # 16 steps: syncs at 3, 6, ..., 15 and 16
+            r["group_size"] == 3 and r["replicas_left_out"] == 0 for r in records
+        )
+    reference = global_params(peers[0])
+    for run_dir in peers[1:]:
+        for a, b in zip(reference, global_params(run_dir), strict=True):
+            assert torch.equal(a, b)  # every peer decodes the same bytes in the same order
+    summaries = [json.loads((p / "summary.json").read_text()) for p in peers]
+    assert len({s["final_val_loss"] for s in summaries}) == 1
+    assert all(s["bytes_sent_per_worker"] > 0 for s in summaries)
+
+
+def test_a_killed_peer_costs_the_others_at_most_a_timeout(tmp_path, TINY):
+    overrides = [*common(tmp_path, TINY, total_tokens=9216), "backend.hivemind.averaging_timeout=5"]
+    launcher = start_muloco("launch", "--nproc", 3, "--backend", "hivemind", QS, *overrides)
+    try:
+        victim_dir = tmp_path / "swarm-peer2"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if (victim_dir / "metrics.jsonl").exists() and len(syncs(victim_dir)) >= 2:
+                break
+            time.sleep(0.1)
+        # The launcher's direct children are the peers (their own children: hivemind's DHT, averagers, p2pd).
+        peers = psutil.Process(launcher.pid).children(recursive=False)
+        victim = next(c for c in peers if c.environ().get("RANK") == "2")
+        victim_tree = victim.children(recursive=True)
+        victim.kill()  # SIGKILL at outer step 2
+        _, err = launcher.communicate(timeout=180)
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+    assert launcher.returncode != 0 and "rank 2 exited" in err  # the launcher reports the dead peer ...
+    time.sleep(1)
+    assert not [p for p in victim_tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # no orphans
+    for i in (0, 1):  # ... and the other two finished every step
+        summary = json.loads((tmp_path / f"swarm-peer{i}" / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["outer_steps"] == 8
+        groups = [r["group_size"] for r in syncs(tmp_path / f"swarm-peer{i}")]
+        assert groups[:2] == [3, 3] and groups[-1] == 2
+    for a, b in zip(
+        global_params(tmp_path / "swarm-peer0"), global_params(tmp_path / "swarm-peer1"), strict=True
+    ):
+        assert torch.equal(a, b)
+
+
+class LineReader:
+    """Collects a process's stderr lines in the background (so a test can wait for one)."""
+
+    def __init__(self, stream) -> None:
+        import threading
+
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream) -> None:
+        for line in iter(stream.readline, ""):
+            self.lines.append(line)
+
+    def wait_for(self, needle: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = next((line for line in list(self.lines) if needle in line), None)
+            if found:
+                return found
+            time.sleep(0.1)
+        raise AssertionError(f"no line with {needle!r} within {timeout} s")
+
+
+def test_a_late_joiner_catches_up_and_another_run_id_never_mixes(tmp_path, TINY):
+    overrides = common(tmp_path, TINY, total_tokens=23040)  # 20 syncs; groups of up to 3
+    launcher = start_muloco("launch", "--nproc", 2, "--backend", "hivemind", QS, *overrides)
+    others = []
+    try:
+        reader = LineReader(launcher.stderr)
+        line = reader.wait_for("join with backend.hivemind.initial_peers=", 60)
+        maddrs = line.split("initial_peers=")[1].strip()
+        first = tmp_path / "swarm-peer0"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (
+            (first / "metrics.jsonl").exists() and len(syncs(first)) >= 2
+        ):
+            time.sleep(0.1)
+        assert launcher.poll() is None, "the swarm finished before the joiner could join"
+        join = [*overrides, "backend.kind=hivemind", f"backend.hivemind.initial_peers={maddrs}"]
+        others.append(start_muloco("train", QS, *join, "backend.hivemind.peer_index=2", "run.name=joiner"))
+        others.append(
+            start_muloco(
+                "train",
+                QS,
+                *join,
+                "backend.hivemind.run_id=other",
+                "backend.hivemind.peer_index=2",
+                "run.name=intruder",
+            )
+        )
+        outputs = [p.communicate(timeout=240) for p in others]
+        launcher.wait(timeout=240)
+    finally:
+        for p in (launcher, *others):
+            p.kill()
+            p.wait(timeout=10)
+    assert launcher.returncode == 0
+    for p, (_, err) in zip(others, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    joiner_err = outputs[0][1]
+    loaded = [x for x in joiner_err.splitlines() if "loaded the swarm's state" in x]
+    assert loaded and "step=0 " not in loaded[0]  # it started from the swarm's state, mid-run
+    groups = [r["group_size"] for r in syncs(tmp_path / "joiner")]
+    first_averaged = groups.index(3)  # (a sync it started while still behind the others finds no group)
+    assert first_averaged <= 2 and all(g == 3 for g in groups[first_averaged:]), groups
+    for a, b in zip(global_params(tmp_path / "joiner"), global_params(first), strict=True):
+        assert torch.equal(a, b)
+    # The intruder (run_id=other) joined the same DHT but never averaged with the swarm, nor it with it.
+    assert all(r["group_size"] == 1 for r in syncs(tmp_path / "intruder"))
+    assert max(r["group_size"] for r in syncs(first)) == 3
