@@ -3,7 +3,7 @@
 A peer hosts one replica (its data shard is `peer_index`) and averages with whichever peers are present.
 `SwarmPeer` turns the trainer's pseudogradients into swarm syncs, serves the peer's state to joiners,
 publishes its progress and tells the trainer when it has fallen behind. The swarm mechanics (DHT,
-matchmaking, payload exchange, checks) live in `muloco.comm.hivemind_backend`.
+matchmaking, payload exchange, checks) live in `muloco.comm.hivemind`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class SwarmPeer:
     def __init__(
         self, cfg, shapes_by_fragment: list[list[torch.Size]], codecs: list[PseudogradientCodec]
     ) -> None:
-        from muloco.comm.hivemind_backend import HivemindSettings, HivemindSwarm
+        from muloco.comm.hivemind import HivemindSettings, HivemindSwarm
 
         self.section = cfg.backend.hivemind
         # hivemind forks its DHT and averagers: have them die with this process even if it is SIGKILLed.

@@ -2,7 +2,7 @@
 
 Every process holds a random pseudogradient shaped like the `small` GPT's parameters (~10.9M) and times whole
 syncs, interleaved per repetition:
-- hivemind: one swarm (muloco.comm.hivemind_backend) with one fragment per case, each fragment holding every
+- hivemind: one swarm (muloco.comm.hivemind) with one fragment per case, each fragment holding every
   tensor (fp32 = scheme none; statistical 8 and 4 bit, row-wise). A sync = encode + matchmaking (groups form
   as soon as all 3 peers are in: target_group_size = 3) + payload exchange + decode, checks and mean.
 - gloo: muloco.comm.torch_dist on 127.0.0.1: fp32 = one all-reduce of the flat buffer; compressed = encode +
@@ -52,7 +52,7 @@ def compressor(case: str):
 
 
 def hivemind_peer(rank: int, reps: int, maddrs_queue, barrier, results) -> None:
-    from muloco.comm.hivemind_backend import HivemindSettings, HivemindSwarm
+    from muloco.comm.hivemind import HivemindSettings, HivemindSwarm
 
     mp.set_start_method("fork", force=True)  # a spawned process inherits "spawn"; hivemind needs fork
     torch.set_num_threads(1)

@@ -30,13 +30,9 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from muloco.comm.hivemind_backend import (
-    HivemindSettings,
-    HivemindSwarm,
-    _Contribution,
-    payload_token,
-    wrap_payload,
-)
+from muloco.comm.hivemind import HivemindSettings, HivemindSwarm, wrap_payload
+from muloco.comm.hivemind.payloads import payload_token
+from muloco.comm.hivemind.swarm import _Contribution
 from muloco.compress import NoCompression, get_compressor
 from muloco.compress.wire import Header, assemble
 

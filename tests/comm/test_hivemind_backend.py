@@ -23,8 +23,7 @@ pytest.importorskip("hivemind")
 
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor  # noqa: E402
 
-from muloco.comm import hivemind_backend  # noqa: E402
-from muloco.comm.hivemind_backend import (  # noqa: E402
+from muloco.comm.hivemind import (  # noqa: E402
     HivemindSettings,
     MulocoCompression,
     contribution_problem,
@@ -35,6 +34,7 @@ from muloco.comm.hivemind_backend import (  # noqa: E402
     unwrap_payload,
     wrap_payload,
 )
+from muloco.comm.hivemind import swarm as hivemind_swarm  # noqa: E402
 from muloco.compress import CompressionError, get_compressor  # noqa: E402
 from muloco.errors import ConfigError  # noqa: E402
 
@@ -158,11 +158,9 @@ def test_settings_name_the_bad_field(overrides, field):
 
 
 def test_the_swarm_needs_the_fork_start_method(monkeypatch):
-    monkeypatch.setattr(
-        hivemind_backend.multiprocessing, "get_start_method", lambda allow_none=False: "spawn"
-    )
+    monkeypatch.setattr(hivemind_swarm.multiprocessing, "get_start_method", lambda allow_none=False: "spawn")
     with pytest.raises(RuntimeError, match="set_start_method\\('fork'"):
-        hivemind_backend.require_fork_start_method()
+        hivemind_swarm.require_fork_start_method()
 
 
 # ---- slow: swarms on loopback ---------------------------------------------------------------------------
@@ -457,7 +455,7 @@ def test_a_hung_peer_is_dropped_after_the_averaging_timeout(trio, spawn):
 
 ALONE = """
 import signal, psutil, torch
-from muloco.comm.hivemind_backend import HivemindSettings, HivemindSwarm
+from muloco.comm.hivemind import HivemindSettings, HivemindSwarm
 handler = signal.getsignal(signal.SIGINT)
 swarm = HivemindSwarm(HivemindSettings(run_id="alone", matchmaking_time=0.5), [[torch.Size([3])]])
 assert signal.getsignal(signal.SIGINT) is handler, "hivemind left SIGINT ignored"

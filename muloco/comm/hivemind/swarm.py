@@ -38,301 +38,49 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import logging
-import math
 import multiprocessing
-import re
 import signal
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
 
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
-from muloco.compress import CompressionError, Compressor, NoCompression
+from muloco.comm.hivemind.combine import (
+    _metadata_problem,
+    contribution_norm,
+    contribution_problem,
+    mean_in_order,
+    norm_outliers,
+)
+from muloco.comm.hivemind.payloads import _adapters, payload_token, wrap_payload
+from muloco.comm.hivemind.settings import (
+    DHT_OP_TIMEOUT_S,
+    HANDLE_SLACK_S,
+    HivemindSettings,
+    SyncTimeouts,
+    _is_int,
+    derive_timeouts,
+    is_loopback,
+)
+from muloco.compress import CompressionError, Compressor
 from muloco.errors import ConfigError
 
 log = logging.getLogger("muloco")
 
-# ---- timeouts -------------------------------------------------------------------------------------------
-
-DEFAULT_BANDWIDTH_MBPS = 100.0  # assumed upload when bandwidth_mbps is unset: a modest WAN link
-ASSUMED_GROUP_SIZE = 4  # group size in the formula when target_group_size is unset
-TRANSFER_SAFETY = 3.0  # x the ideal transfer time: TCP ramp-up, contention, decoding
-TRANSFER_SLACK_S = 2.0  # + round trips to open the streams
-# Floors (matchmaking_time, averaging_timeout). Loopback: what the tests here need on 2 busy CPU cores.
-# WAN: hivemind's default min_matchmaking_time is 5 s; DHT lookups take several round trips.
-LOOPBACK_FLOORS_S = (2.0, 5.0)
-WAN_FLOORS_S = (5.0, 15.0)
-MAX_DERIVED_MATCHMAKING_S = 30.0
-MAX_REQUEST_TIMEOUT_S = 5.0
-DHT_OP_TIMEOUT_S = 15.0  # a DHT store / get: a few round trips, bounded so that a call never hangs
-HANDLE_SLACK_S = 10.0  # AveragingHandle.wait's hard bound past the worst case: a stuck averager
 CHUNK_BYTES = 1 << 20  # payload stream chunks (hivemind's stream messages have no size limit)
 SERVED_SYNCS = 2  # payloads kept per fragment: a fast peer may start its next sync while others download
-
-
-@dataclass(frozen=True)
-class SyncTimeouts:
-    """The timing of one fragment's sync (seconds), chosen by `derive_timeouts`."""
-
-    sync_bytes: int  # one peer's payloads for this fragment
-    matchmaking_time: float  # hivemind's min_matchmaking_time: how long a leader gathers its group
-    averaging_timeout: float  # the payload exchange, once the group is formed
-    request_timeout: float  # hivemind: a join request's answer, the dummy all-reduce's chunks
-
-    @property
-    def group_deadline(self) -> float:
-        """A peer looks for a group this long (two matchmaking rounds), then gives up: no group."""
-        return 2.0 * self.matchmaking_time
-
-    @property
-    def worst_case(self) -> float:
-        """The longest a sync takes: look for a group, then exchange payloads."""
-        return self.group_deadline + self.averaging_timeout
-
-
-def derive_timeouts(
-    sync_bytes: int,
-    bandwidth_mbps: float | None = None,
-    group_size: int | None = None,
-    loopback: bool = False,
-    matchmaking_time: float | None = None,
-    averaging_timeout: float | None = None,
-) -> SyncTimeouts:
-    """Timeouts from the sync size instead of guesses; explicit values win.
-
-    transfer_s        = 8 x sync_bytes x (G - 1) / (bandwidth_mbps x 1e6): one peer uploads its payloads to
-                        the G - 1 others (G = group_size, else ASSUMED_GROUP_SIZE; bandwidth else 100 Mbit/s)
-    averaging_timeout = max(floor, 3 x transfer_s + 2 s)
-    matchmaking_time  = min(max(floor, transfer_s / 2), 30 s): peers that finish their inner steps a little
-                        apart should still meet; missing the group wastes a whole round's contribution, so
-                        bigger syncs are worth a longer wait
-    request_timeout   = min(matchmaking_time / 2, 5 s): hivemind needs it below min_matchmaking_time
-    Floors: 2 s / 5 s on loopback, 5 s / 15 s otherwise.
-    """
-    group = group_size or ASSUMED_GROUP_SIZE
-    bandwidth = bandwidth_mbps or DEFAULT_BANDWIDTH_MBPS
-    transfer_s = 8.0 * sync_bytes * (group - 1) / (bandwidth * 1e6)
-    mm_floor, avg_floor = LOOPBACK_FLOORS_S if loopback else WAN_FLOORS_S
-    if averaging_timeout is None:
-        averaging_timeout = max(avg_floor, TRANSFER_SAFETY * transfer_s + TRANSFER_SLACK_S)
-    if matchmaking_time is None:
-        matchmaking_time = min(max(mm_floor, transfer_s / 2.0), MAX_DERIVED_MATCHMAKING_S)
-    request_timeout = min(matchmaking_time / 2.0, MAX_REQUEST_TIMEOUT_S)
-    return SyncTimeouts(int(sync_bytes), float(matchmaking_time), float(averaging_timeout), request_timeout)
-
-
-def is_loopback(maddrs: Sequence[str]) -> bool:
-    """True when every multiaddr is on 127.0.0.0/8 or ::1 (a local swarm: tighter timeout floors)."""
-    return all(str(m).startswith(("/ip4/127.", "/ip6/::1/")) for m in maddrs)
-
-
-# ---- settings -------------------------------------------------------------------------------------------
-
-
-def _default_host_maddrs() -> list[str]:
-    return ["/ip4/127.0.0.1/tcp/0"]
-
-
-@dataclass
-class HivemindSettings:
-    """Options of the hivemind swarm (the config section backend.hivemind)."""
-
-    run_id: str = "muloco"  # DHT prefix: swarms with different run_ids never mix, even on one DHT
-    initial_peers: list[str] = field(default_factory=list)  # multiaddrs to join; empty: start a new swarm
-    # Where to listen. Loopback by default (a local swarm); for other machines use "/ip4/0.0.0.0/tcp/PORT".
-    host_maddrs: list[str] = field(default_factory=_default_host_maddrs)
-    announce_maddrs: list[str] = field(default_factory=list)  # public addresses to announce (behind NAT)
-    use_relay: bool = True  # accept relayed connections (libp2p circuit relay; hivemind's default)
-    use_auto_relay: bool = False  # behind NAT: find relays among the peers and be reached through them
-    identity_path: str | None = None  # private key file: a persistent peer id (created if missing)
-    matchmaking_time: float | None = None  # seconds a leader gathers its group; None: derive_timeouts
-    averaging_timeout: float | None = None  # seconds for the payload exchange; None: derive_timeouts
-    min_group_size: int = 2  # fewer peers than this: no group
-    target_group_size: int | None = None  # a group starts as soon as it has this many; None: no limit
-    on_no_group: Literal["apply_own", "skip"] = "apply_own"  # no group in time: own contribution, or none
-    bandwidth_mbps: float | None = None  # this peer's expected upload (Mbit/s), for derive_timeouts
-    max_norm_ratio: float = 10.0  # exclude a contribution whose norm > ratio x the group's (lower) median
-    outer_step_ttl: float = 600.0  # seconds a published outer step counts as a live peer's
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.run_id, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", self.run_id):
-            raise ConfigError(
-                f"backend.hivemind.run_id must be letters, digits, '_' or '-' (it prefixes DHT keys), "
-                f"got {self.run_id!r}"
-            )
-        for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
-            value = getattr(self, name)
-            if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
-                raise ConfigError(
-                    f"backend.hivemind.{name} must be a list of multiaddr strings, got {value!r}"
-                )
-        if not self.host_maddrs:
-            raise ConfigError("backend.hivemind.host_maddrs must not be empty (e.g. /ip4/0.0.0.0/tcp/0)")
-        for name in ("matchmaking_time", "averaging_timeout", "bandwidth_mbps"):
-            value = getattr(self, name)
-            if value is not None and not (_is_number(value) and value > 0):
-                raise ConfigError(f"backend.hivemind.{name} must be a positive number or null, got {value!r}")
-        if not _is_number(self.outer_step_ttl) or self.outer_step_ttl <= 0:
-            raise ConfigError(
-                f"backend.hivemind.outer_step_ttl must be positive, got {self.outer_step_ttl!r}"
-            )
-        if not _is_int(self.min_group_size) or self.min_group_size < 2:
-            raise ConfigError(
-                f"backend.hivemind.min_group_size must be an integer >= 2, got {self.min_group_size!r}"
-            )
-        if self.target_group_size is not None and not (
-            _is_int(self.target_group_size) and self.target_group_size >= self.min_group_size
-        ):
-            raise ConfigError(
-                f"backend.hivemind.target_group_size must be null or an integer >= min_group_size "
-                f"({self.min_group_size}), got {self.target_group_size!r}"
-            )
-        if self.on_no_group not in ("apply_own", "skip"):
-            raise ConfigError(
-                f"backend.hivemind.on_no_group must be apply_own or skip, got {self.on_no_group!r}"
-            )
-        if (
-            not (_is_number(self.max_norm_ratio) or self.max_norm_ratio == math.inf)
-            or self.max_norm_ratio <= 1
-        ):
-            raise ConfigError(
-                f"backend.hivemind.max_norm_ratio must be a number > 1 (inf disables the check), "
-                f"got {self.max_norm_ratio!r}"
-            )
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-# ---- compression adapter --------------------------------------------------------------------------------
-
-
-def wrap_payload(payload: bytes) -> runtime_pb2.Tensor:
-    """A muloco payload as hivemind's tensor message: dtype uint8, shape [nbytes], compression NONE. Any
-    hivemind code that deserializes it gets the payload bytes back, never misread values."""
-    return runtime_pb2.Tensor(
-        buffer=payload, size=[len(payload)], dtype="uint8", compression=runtime_pb2.CompressionType.NONE
-    )
-
-
-def unwrap_payload(message: runtime_pb2.Tensor) -> bytes:
-    """The payload bytes of `wrap_payload`'s message; CompressionError if it is not one."""
-    if message.dtype != "uint8" or message.compression != runtime_pb2.CompressionType.NONE:
-        raise CompressionError(
-            f"expected a muloco payload (uint8, compression NONE), got dtype {message.dtype!r}, "
-            f"compression {runtime_pb2.CompressionType.Name(message.compression)}"
-        )
-    if list(message.size) != [len(message.buffer)]:
-        raise CompressionError(
-            f"payload message declares size {list(message.size)}, holds {len(message.buffer)} B"
-        )
-    return bytes(message.buffer)
-
-
-class MulocoCompression(CompressionBase):
-    """hivemind's CompressionBase over a muloco compressor: `compress` encodes with our wire format and wraps
-    the payload (`wrap_payload`); `extract` validates and decodes it (fp32, CPU; CompressionError if bad)."""
-
-    compression_type = runtime_pb2.CompressionType.NONE  # the payload travels as plain uint8 bytes
-
-    def __init__(self, compressor: Compressor) -> None:
-        self.compressor = compressor
-
-    def compress(
-        self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False
-    ) -> runtime_pb2.Tensor:
-        return wrap_payload(self.compressor.encode(tensor))
-
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        return self.compressor.decode(unwrap_payload(serialized_tensor))
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        shape = tuple(info.descriptor.size)
-        raw = math.prod(shape) * torch.empty((), dtype=info.descriptor.dtype).element_size()
-        return self.compressor.payload_nbytes(shape) / max(raw, 1)
-
-    def __repr__(self) -> str:
-        return f"MulocoCompression({self.compressor!r})"
-
-
-# ---- the group's combine rule (pure functions) ----------------------------------------------------------
-
-
-def contribution_problem(tensors: list[torch.Tensor], shapes: list[torch.Size]) -> str | None:
-    """Why a decoded contribution cannot be used (count, shape, dtype, non-finite values), or None."""
-    if len(tensors) != len(shapes):
-        return f"{len(tensors)} tensors, expected {len(shapes)}"
-    for i, (t, shape) in enumerate(zip(tensors, shapes, strict=True)):
-        if t.shape != shape:
-            return f"tensor {i} has shape {tuple(t.shape)}, expected {tuple(shape)}"
-        if t.dtype != torch.float32:
-            return f"tensor {i} has dtype {t.dtype}, expected torch.float32"
-        if not bool(torch.isfinite(t).all()):
-            return f"tensor {i} holds non-finite values"
-    return None
-
-
-def contribution_norm(tensors: list[torch.Tensor]) -> float:
-    """The L2 norm of a contribution, all tensors together. Per tensor in fp32 (fast); a tensor whose norm
-    overflows fp32 (values ~1e19) gives inf, which norm_outliers always flags."""
-    return math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors))
-
-
-def norm_outliers(norms: dict[str, float], max_norm_ratio: float) -> dict[str, str]:
-    """Contributions whose norm exceeds max_norm_ratio x the lower median norm -> the reason.
-
-    The lower median (the smaller middle value) so that of two contributions the larger is flagged when it
-    is ratio x the smaller (with the mean of the two, a 100x one would pass). A median of 0 flags nothing.
-    """
-    if len(norms) < 2:
-        return {}
-    ordered = sorted(norms.values())
-    median = ordered[(len(ordered) - 1) // 2]
-    if median <= 0 or math.isinf(median):
-        return {}  # all zero, or most overflowed: the mean's own finiteness check decides
-    return {
-        key: f"norm {n:.3g} > {max_norm_ratio:g} x the group's median {median:.3g}"
-        for key, n in norms.items()
-        if n > max_norm_ratio * median
-    }
-
-
-def mean_in_order(contributions: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Elementwise mean; the caller fixes the order (peer ids) so that every member sums alike."""
-    total = [t.clone() for t in contributions[0]]
-    for tensors in contributions[1:]:
-        for acc, t in zip(total, tensors, strict=True):
-            acc.add_(t)
-    return [t.div_(len(contributions)) for t in total]
-
-
-def payload_token(messages: list[runtime_pb2.Tensor]) -> bytes:
-    """A 16-byte hash of a contribution's payloads: members check that they all decode the same bytes."""
-    digest = hashlib.blake2b(digest_size=16)
-    for m in messages:
-        digest.update(len(m.buffer).to_bytes(8, "little"))
-        digest.update(m.buffer)
-    return digest.digest()
 
 
 # ---- results and handles --------------------------------------------------------------------------------
@@ -950,51 +698,3 @@ def require_fork_start_method() -> None:
             f"the hivemind backend needs the 'fork' multiprocessing start method, this process uses "
             f"{method!r}: call multiprocessing.set_start_method('fork', force=True) before building the swarm"
         )
-
-
-def _metadata_problem(meta, step: int) -> str | None:
-    """Why a member's gathered metadata rules it out (before any download), or None."""
-    if not isinstance(meta, dict) or not _is_int(meta.get("step")):
-        return "malformed metadata"
-    if meta["step"] != step:
-        return f"at outer step {meta['step']}, this peer at {step}"
-    token = meta.get("token")
-    if token is None:
-        return "withheld by its peer (non-finite or unencodable contribution)"
-    if not isinstance(token, bytes) or len(token) != 16:
-        return "malformed metadata"
-    return None
-
-
-def _adapters(
-    compression: Compressor | list[list[Compressor]] | None, shapes: list[list[torch.Size]]
-) -> list[list[MulocoCompression]]:
-    """One MulocoCompression per tensor of every fragment."""
-    if compression is None:
-        compression = NoCompression()
-    if isinstance(compression, Compressor):
-        return [[MulocoCompression(compression) for _ in fragment] for fragment in shapes]
-    if len(compression) != len(shapes) or any(
-        len(cs) != len(ss) for cs, ss in zip(compression, shapes, strict=False)
-    ):
-        raise ValueError("compression: give one Compressor, or one per tensor of every fragment")
-    return [[MulocoCompression(c) for c in cs] for cs in compression]
-
-
-__all__ = [
-    "AverageResult",
-    "AveragingHandle",
-    "HivemindSettings",
-    "HivemindSwarm",
-    "MulocoCompression",
-    "SyncTimeouts",
-    "contribution_norm",
-    "contribution_problem",
-    "derive_timeouts",
-    "is_loopback",
-    "mean_in_order",
-    "norm_outliers",
-    "require_fork_start_method",
-    "unwrap_payload",
-    "wrap_payload",
-]

@@ -1,0 +1,77 @@
+"""The group's combine rule (pure functions): which contributions are averaged, and how.
+
+Every member applies these to the same bytes, so members that downloaded the same payloads exclude the same
+contributions and hold the same mean, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from muloco.comm.hivemind.settings import _is_int
+
+# ---- the group's combine rule (pure functions) ----------------------------------------------------------
+
+
+def contribution_problem(tensors: list[torch.Tensor], shapes: list[torch.Size]) -> str | None:
+    """Why a decoded contribution cannot be used (count, shape, dtype, non-finite values), or None."""
+    if len(tensors) != len(shapes):
+        return f"{len(tensors)} tensors, expected {len(shapes)}"
+    for i, (t, shape) in enumerate(zip(tensors, shapes, strict=True)):
+        if t.shape != shape:
+            return f"tensor {i} has shape {tuple(t.shape)}, expected {tuple(shape)}"
+        if t.dtype != torch.float32:
+            return f"tensor {i} has dtype {t.dtype}, expected torch.float32"
+        if not bool(torch.isfinite(t).all()):
+            return f"tensor {i} holds non-finite values"
+    return None
+
+
+def contribution_norm(tensors: list[torch.Tensor]) -> float:
+    """The L2 norm of a contribution, all tensors together. Per tensor in fp32 (fast); a tensor whose norm
+    overflows fp32 (values ~1e19) gives inf, which norm_outliers always flags."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors))
+
+
+def norm_outliers(norms: dict[str, float], max_norm_ratio: float) -> dict[str, str]:
+    """Contributions whose norm exceeds max_norm_ratio x the lower median norm -> the reason.
+
+    The lower median (the smaller middle value) so that of two contributions the larger is flagged when it
+    is ratio x the smaller (with the mean of the two, a 100x one would pass). A median of 0 flags nothing.
+    """
+    if len(norms) < 2:
+        return {}
+    ordered = sorted(norms.values())
+    median = ordered[(len(ordered) - 1) // 2]
+    if median <= 0 or math.isinf(median):
+        return {}  # all zero, or most overflowed: the mean's own finiteness check decides
+    return {
+        key: f"norm {n:.3g} > {max_norm_ratio:g} x the group's median {median:.3g}"
+        for key, n in norms.items()
+        if n > max_norm_ratio * median
+    }
+
+
+def mean_in_order(contributions: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Elementwise mean; the caller fixes the order (peer ids) so that every member sums alike."""
+    total = [t.clone() for t in contributions[0]]
+    for tensors in contributions[1:]:
+        for acc, t in zip(total, tensors, strict=True):
+            acc.add_(t)
+    return [t.div_(len(contributions)) for t in total]
+
+
+def _metadata_problem(meta, step: int) -> str | None:
+    """Why a member's gathered metadata rules it out (before any download), or None."""
+    if not isinstance(meta, dict) or not _is_int(meta.get("step")):
+        return "malformed metadata"
+    if meta["step"] != step:
+        return f"at outer step {meta['step']}, this peer at {step}"
+    token = meta.get("token")
+    if token is None:
+        return "withheld by its peer (non-finite or unencodable contribution)"
+    if not isinstance(token, bytes) or len(token) != 16:
+        return "malformed metadata"
+    return None
