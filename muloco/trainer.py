@@ -1,10 +1,16 @@
-"""The training loop. One DiLoCo round reads top to bottom in `Trainer._diloco_round`:
+"""The training loop. One DiLoCo round reads top to bottom in `Trainer._diloco_round` and the two halves of
+a sync it calls, `_start_sync` and `_finish_sync`:
 
-    inner steps -> pseudogradients -> reduce -> outer step -> merge into replicas -> eval/log/checkpoint
+    inner steps -> pseudogradients -> compress -> reduce (started) -> outer step -> merge into replicas
+    -> eval/log/checkpoint
 
-A process hosts k >= 1 replicas of the run's K (DESIGN.md). With the local backend k = K (simulation); other
-backends only change how `_reduce` sums across processes. `method: dp` is the data-parallel baseline: one
-model whose gradients are averaged over the K workers' batches every step.
+A process hosts k >= 1 replicas of the run's K (DESIGN.md). With the local backend k = K (simulation); the
+torch backend and hivemind peers (muloco/peer.py) only change how `_start_mean` averages across processes,
+and workers of R ranks (comm/topology.py) how a worker's ranks share it. Plain DiLoCo syncs every parameter
+every H steps and applies it at once; Streaming DiLoCo syncs fragments at staggered steps and applies each
+tau steps later (schedule.py). `method: dp` is the data-parallel baseline: one model whose gradients are
+averaged over the K workers' batches every step. Reliability (interrupts, non-finite guards, checkpoints):
+docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -14,11 +20,8 @@ import copy
 import json
 import logging
 import math
-import os
 import signal
-import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ from torch.profiler import record_function
 import muloco
 from muloco.checkpoint import find_resume_state, list_checkpoints, load_checkpoint, save_checkpoint
 from muloco.codec import PseudogradientCodec
-from muloco.comm import Backend, CompletedHandle, build_backend, ring_allgather_bytes, ring_allreduce_bytes
+from muloco.comm import Backend, build_backend, ring_allgather_bytes, ring_allreduce_bytes
 from muloco.comm.topology import build_topology
 from muloco.compress import ErrorFeedback
 from muloco.config import Config
@@ -40,42 +43,15 @@ from muloco.models import build_model, param_roles
 from muloco.optim import build_inner_optimizer
 from muloco.outer import OuterOptimizer
 from muloco.peer import SwarmPeer, peer_index
-from muloco.reduce import Mean, PendingMean, share_with_worker, start_mean_compressed, start_mean_uncompressed
+from muloco.reduce import PendingMean, share_with_worker, start_mean_compressed, start_mean_uncompressed
 from muloco.replica import Replica, forward_backward, set_lr_multiplier
-from muloco.schedule import SyncSchedule, assign_fragments
+from muloco.run_dir import prepare_run_dir, write_json_atomic, write_resolved_config
+from muloco.schedule import InFlightSync, SyncSchedule, assign_fragments
 from muloco.wan import Link, allreduce_seconds, sync_seconds
 
 log = logging.getLogger("muloco")
 
 EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
-
-
-@dataclass
-class InFlightSync:
-    """A fragment's sync between its start (pseudogradients sent) and its application (outer step)."""
-
-    fragment: int
-    started_step: int
-    apply_step: int
-    result: PendingMean
-    stats: dict[str, Any] = field(default_factory=dict)  # what the sync's log record reports
-
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpointing drains the transfer (waits for the mean) and saves the mean itself, so a resumed
-        run applies exactly the same update at the same step."""
-        return {
-            "fragment": self.fragment,
-            "started_step": self.started_step,
-            "apply_step": self.apply_step,
-            "mean": list(self.result.wait()),  # [values or None, contributors]: plain types for weights_only
-            "stats": self.stats,
-        }
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> InFlightSync:
-        mean = Mean(*state["mean"])
-        result = PendingMean(CompletedHandle(mean), lambda m: m)
-        return cls(state["fragment"], state["started_step"], state["apply_step"], result, state["stats"])
 
 
 def global_norm(tensors: list[torch.Tensor]) -> float:
@@ -89,38 +65,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def prepare_run_dir(cfg: Config) -> Path:
-    """Create `<output_dir>/<name>/` and check that it is writable; nothing of an earlier run is touched
-    (config.yaml is written only once the run is known to start or resume: `write_resolved_config`)."""
-    run_dir = Path(cfg.run.output_dir).expanduser() / cfg.run.name
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".tmp_", dir=run_dir)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise UserError(
-            f"run.output_dir: cannot write the run directory {run_dir} ({exc.strerror or exc}); "
-            "choose a writable run.output_dir"
-        ) from None
-    return run_dir
-
-
-def write_resolved_config(cfg: Config, run_dir: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=run_dir)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(cfg.to_yaml())
-    os.replace(tmp, run_dir / "config.yaml")
 
 
 class Trainer:
@@ -446,6 +390,9 @@ class Trainer:
                 self._evaluate()
             self._save_checkpoint()
             status = "completed" if self.stop_signal is None else "interrupted"
+            if self.backend.world_size > 1:
+                # Every rank done before any tears its process groups down (gloo can abort otherwise).
+                self.backend.barrier()
         except KeyboardInterrupt:
             status = "interrupted"  # a second Ctrl+C: leave at once, keep the last checkpoint
             raise

@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 import torch
@@ -28,6 +29,16 @@ def _seed_and_threads():
     torch.manual_seed(0)
     torch.set_num_threads(1)  # tests are small: one thread is faster and deterministic
     yield
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """Each test leaves SIGINT/SIGTERM as it found them (hivemind's averagers, for one, set SIGINT to
+    ignore in the process that starts them), so Ctrl+C keeps working for the rest of the session."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture(name="TINY")

@@ -350,11 +350,12 @@ def test_a_second_ctrl_c_leaves_at_once_keeping_the_last_checkpoint(tiny):
         return loss
 
     replica.train_step = step_then_two_signals
+    before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         trainer.run()
     assert json.loads((trainer.run_dir / "summary.json").read_text())["status"] == "interrupted"
     assert [p.name for p in list_checkpoints(trainer.checkpoint_dir)] == ["step_00000006.pt"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is before  # the caller's handler is back
 
 
 # -- checkpoint files -----------------------------------------------------------------------------------

@@ -236,6 +236,9 @@ def rank_main(rank: int, world_size: int, port: int, out: Path) -> None:
         result["few"] = [p.detach() for p in few]
         result.update(factory_check(world_size))
         torch.save(result, out / f"rank{rank}.pt")
+        # Every rank done before any tears down: gloo can abort ("terminate called without an active
+        # exception") when a peer closes its pairs while another still finishes its last collective.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
