@@ -141,6 +141,30 @@ BAD_INPUTS = [
         "ranks_per_worker",
     ),
     (
+        "ranks with dp",
+        ["train", "{QS}", "{RUN}", "method=dp", "ranks_per_worker=2", "train.micro_batch_tokens=32"],
+        {},
+        "ranks_per_worker",
+    ),
+    (
+        "hivemind with dp",
+        ["train", "{QS}", "{RUN}", "method=dp", "backend.kind=hivemind"],
+        {},
+        "backend.kind",
+    ),
+    (
+        "hivemind peer index",
+        ["train", "{QS}", "{RUN}", "backend.kind=hivemind", "backend.hivemind.peer_index=5"],
+        {},
+        "backend.hivemind.peer_index",
+    ),
+    (
+        "hivemind run id",
+        ["train", "{QS}", "{RUN}", "backend.kind=hivemind", "backend.hivemind.run_id=a b"],
+        {},
+        "backend.hivemind.run_id",
+    ),
+    (
         "resume file missing",
         ["train", "{QS}", "{RUN}", "checkpoint.resume={TMP}/no.pt"],
         {},

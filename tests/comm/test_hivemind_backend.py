@@ -348,7 +348,9 @@ def test_bad_contributions_are_excluded_on_every_peer(trio):
 @pytest.mark.slow
 def test_a_peer_with_another_run_id_never_joins(trio, spawn):
     stranger = spawn("stranger")
-    opened = open_swarm(trio, f"ours-{uuid.uuid4().hex[:8]}")
+    # target_group_size: the trio's group starts as soon as all three are in, and a generous matchmaking
+    # window: four busy processes on 2 cores can take a while to find each other.
+    opened = open_swarm(trio, f"ours-{uuid.uuid4().hex[:8]}", target_group_size=3, matchmaking_time=6.0)
     try:
         # Same DHT (it bootstraps from our first peer), other run_id.
         open_swarm([stranger], f"theirs-{uuid.uuid4().hex[:8]}", initial=opened["visible_maddrs"])
