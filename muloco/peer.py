@@ -95,6 +95,12 @@ class SwarmPeer:
         ahead = max(self.swarm.peer_outer_steps().values(), default=progress)
         return ahead if ahead > progress else None
 
+    def others_in_step(self, progress: int) -> bool:
+        """Whether another peer has published at least this progress (it synced this round without us; a
+        dead peer's entry stays behind, so it does not count)."""
+        me = str(self.swarm.peer_id)
+        return any(step >= progress for peer, step in self.swarm.peer_outer_steps().items() if peer != me)
+
     # -- a sync ---------------------------------------------------------------------------------------
     def start_mean(
         self,

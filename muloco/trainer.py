@@ -229,21 +229,28 @@ class Trainer:
         meta = {"step": self.step, "outer_steps": self.outer_steps, "fragment_syncs": self.fragment_syncs}
         self.swarm.serve([*self.outer.params, *self.outer.momentum_buffers], meta)
 
-    def _catch_up_with_the_swarm(self) -> None:
-        """A peer that is behind the swarm (it cannot average with peers at another step) loads the swarm's
-        state and continues from there."""
-        self._serve_swarm_state()
-        ahead = self.swarm.publish_and_check(self.fragment_syncs)
-        if ahead is None or self.in_flight or self.step >= self.total_steps:
-            return
-        log.warning(
-            "hivemind: this peer is behind (%d syncs, the swarm %d): loading its state",
-            self.fragment_syncs,
-            ahead,
-        )
-        if self._load_swarm_state():
+    def _catch_up_with_the_swarm(self, missed_group: bool) -> None:
+        """A peer that is behind the swarm (it cannot average with peers at another step), or that found no
+        group while other peers are there (it applied its own pseudogradient, so its global parameters left
+        the swarm's), loads the swarm's state and continues from there."""
+        if not missed_group:
+            self._serve_swarm_state()  # a peer that went its own way does not offer its state to joiners
+        for _ in range(3):  # a donor may still hold the previous sync's state: look again
+            ahead = self.swarm.publish_and_check(self.fragment_syncs)
+            realign = missed_group and self.swarm.others_in_step(self.fragment_syncs)
+            if (ahead is None and not realign) or self.in_flight or self.step >= self.total_steps:
+                return
+            why = (
+                "found no group"
+                if ahead is None
+                else f"is behind ({self.fragment_syncs} syncs, the swarm {ahead})"
+            )
+            log.warning("hivemind: this peer %s: loading the swarm's state", why)
+            if not self._load_swarm_state():
+                return
             self._serve_swarm_state()
-            self.swarm.publish_and_check(self.fragment_syncs)
+            missed_group = False
+            time.sleep(0.2)
 
     def _build_outer(self, template) -> OuterOptimizer:
         outer = self.cfg.outer
@@ -632,7 +639,7 @@ class Trainer:
             **swarm,
         )
         if self.swarm is not None:
-            self._catch_up_with_the_swarm()
+            self._catch_up_with_the_swarm(missed_group=mean.group_size == 1)
 
     def _count_bytes(self, sent: float) -> None:
         self.bytes_sent += sent
