@@ -27,6 +27,11 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"step_{step:08d}.pt"
 
 
+def checkpoint_step(path: Path) -> int:
+    """The inner step in a checkpoint's file name (`step_00000012.pt` -> 12)."""
+    return int(_NAME.match(path.name).group(1))
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Checkpoint files, oldest first."""
     if not directory.is_dir():

@@ -29,7 +29,13 @@ import torch
 from torch.profiler import record_function
 
 import muloco
-from muloco.checkpoint import find_resume_state, list_checkpoints, load_checkpoint, save_checkpoint
+from muloco.checkpoint import (
+    checkpoint_step,
+    find_resume_state,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from muloco.codec import PseudogradientCodec
 from muloco.comm import Backend, build_backend, ring_allgather_bytes, ring_allreduce_bytes
 from muloco.comm.topology import build_topology
@@ -282,7 +288,7 @@ class Trainer:
         """resume: auto with several processes (collectives: every rank calls them). A process killed
         mid-run leaves the ranks at different newest checkpoints: take the newest step that every rank
         holds and can read, falling back step by step."""
-        mine = {int(p.stem.split("_")[1]): p for p in list_checkpoints(self.checkpoint_dir)}
+        mine = {checkpoint_step(p): p for p in list_checkpoints(self.checkpoint_dir)}
         lists = self.backend.all_gather_bytes(json.dumps(sorted(mine)).encode()).wait()
         common = set(mine)
         for other in lists:
@@ -686,11 +692,14 @@ class Trainer:
         self.backend.all_reduce_sum(grads).wait()
         self.comm_wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        # Every process holds the same summed gradients, so all skip a non-finite step alike.
-        finite = math.isfinite(global_norm(grads))
+        # Every process holds the same summed gradients, so all skip a non-finite step alike. Clipping
+        # measures the norm anyway: one pass over the gradients, not two.
+        if cfg.train.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(replica.model.parameters(), cfg.train.grad_clip).item()
+        else:
+            norm = global_norm(grads)
+        finite = math.isfinite(norm)
         if finite:
-            if cfg.train.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(replica.model.parameters(), cfg.train.grad_clip)
             replica.optimizer.step()
         replica.optimizer.zero_grad(set_to_none=True)
         self._count_bad_sync(0 if finite else K, f"dp step {self.step + 1} (non-finite gradients: skipped)")
