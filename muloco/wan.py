@@ -1,7 +1,8 @@
 """What communication would cost on a wide-area link, and the `muloco plan` projection.
 
-A link is a bandwidth (Mbit/s, each node's upload) and a one-way latency. A collective's time on it is the
-bytes one node sends over the bandwidth plus one latency per ring hop:
+A link is a bandwidth (Mbit/s, each node's upload: the line rate) and a one-way latency. A collective's
+time on it is the bytes one node sends over the payload rate (the line rate less TCP/IP/Ethernet headers)
+plus one latency per ring hop:
 
 - ring all-reduce of P bytes (fp32 pseudogradients, DDP gradients): 2 (K-1)/K P bytes, 2 (K-1) hops
   (reduce-scatter then all-gather; Patarasuk & Yuan 2009);
@@ -20,14 +21,21 @@ from dataclasses import asdict, dataclass
 
 from muloco.comm.base import ring_allgather_bytes, ring_allreduce_bytes
 
+# Share of a full-size Ethernet frame that is TCP payload: MSS 1448 B (1500 MTU - 20 IP - 20 TCP - 12 TCP
+# timestamps, RFC 7323) of 1514 B on the wire with the 14 B Ethernet header. The emulated WAN measured 95.7%
+# of the line rate as goodput (docs/benchmarks.md, "WAN emulation").
+TCP_PAYLOAD_EFFICIENCY = 1448 / 1514
+
 
 @dataclass(frozen=True)
 class Link:
     bandwidth_mbps: float
     latency_ms: float = 0.0
+    efficiency: float = TCP_PAYLOAD_EFFICIENCY  # payload bytes per byte on the wire
 
     def seconds(self, bytes_sent: float, hops: int) -> float:
-        return 8.0 * bytes_sent / (self.bandwidth_mbps * 1e6) + hops * self.latency_ms / 1e3
+        payload_rate = self.bandwidth_mbps * 1e6 * self.efficiency
+        return 8.0 * bytes_sent / payload_rate + hops * self.latency_ms / 1e3
 
 
 def allreduce_seconds(link: Link, payload_bytes: float, workers: int) -> float:

@@ -10,7 +10,7 @@ from muloco.wan import Link, allgather_seconds, allreduce_seconds, estimate_step
 
 
 def test_link_times_are_bytes_over_bandwidth_plus_hops():
-    link = Link(bandwidth_mbps=100, latency_ms=10)
+    link = Link(bandwidth_mbps=100, latency_ms=10, efficiency=1.0)
     # 4 workers, 40 MB fp32: ring all-reduce sends 2 * 3/4 * 40 MB = 60 MB = 480 Mbit -> 4.8 s, 6 hops.
     assert allreduce_seconds(link, 40e6, 4) == pytest.approx(4.8 + 0.06)
     # all-gather of 5 MB messages: 3 * 5 MB = 120 Mbit -> 1.2 s, 3 hops.
@@ -18,8 +18,14 @@ def test_link_times_are_bytes_over_bandwidth_plus_hops():
     assert allreduce_seconds(link, 40e6, 1) == 0.0
 
 
+def test_the_payload_rate_is_the_line_rate_less_headers():
+    # TCP over Ethernet carries 1448 payload bytes per 1514-byte frame: 100 Mbit/s moves 95.64 Mbit/s of data.
+    assert Link(100).seconds(1e6, 0) == pytest.approx(8e6 / (100e6 * 1448 / 1514))
+    assert Link(100).seconds(1e6, 0) / Link(100, efficiency=1.0).seconds(1e6, 0) == pytest.approx(1514 / 1448)
+
+
 def test_plan_rows_by_hand():
-    rows = plan(10e6, 4, 30, 0.1, Link(100), bits=4, fragments=3, overlap=2)
+    rows = plan(10e6, 4, 30, 0.1, Link(100, efficiency=1.0), bits=4, fragments=3, overlap=2)
     ddp, diloco, muloco, streaming = rows
     assert ddp.network_s == pytest.approx(30 * 8 * 2 * 0.75 * 40e6 / 100e6)  # 30 all-reduces of 40 MB
     assert diloco.network_s == pytest.approx(8 * 2 * 0.75 * 40e6 / 100e6)

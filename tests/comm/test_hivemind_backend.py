@@ -163,6 +163,33 @@ def test_the_swarm_needs_the_fork_start_method(monkeypatch):
         hivemind_swarm.require_fork_start_method()
 
 
+def test_a_closing_peer_serves_what_its_last_group_still_downloads():
+    """Found on the emulated WAN: a fast peer that ended its run cut the last sync's downloads of slower
+    members short (they excluded its payload). close() now waits for the owed downloads, up to their
+    averaging timeout."""
+    swarm = hivemind_swarm.HivemindSwarm.__new__(hivemind_swarm.HivemindSwarm)
+    swarm._lock = threading.Lock()
+    now = time.monotonic()
+    swarm._owed = {b"served": [2, now + 30.0], b"expired": [1, now - 1.0]}
+
+    def two_members_download():
+        for _ in range(2):
+            time.sleep(0.3)
+            with swarm._lock:
+                swarm._owed[b"served"][0] -= 1
+
+    threading.Thread(target=two_members_download).start()
+    t0 = time.monotonic()
+    swarm._serve_what_is_owed()
+    assert 0.5 < time.monotonic() - t0 < 5.0  # waited for both downloads, not for the 30 s deadline
+    assert swarm._owed[b"served"][0] == 0
+
+    swarm._owed = {b"never": [1, time.monotonic() + 0.5]}  # a member that never comes: the deadline ends it
+    t0 = time.monotonic()
+    swarm._serve_what_is_owed()
+    assert 0.4 < time.monotonic() - t0 < 3.0
+
+
 # ---- slow: swarms on loopback ---------------------------------------------------------------------------
 
 

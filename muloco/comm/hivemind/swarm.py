@@ -213,6 +213,9 @@ class HivemindSwarm:
             OrderedDict() for _ in self.shapes
         ]
         self._pending: list[concurrent.futures.Future | None] = [None] * len(self.shapes)
+        # Downloads of this peer's payloads that its last groups still owe: token -> [left, deadline].
+        # close() serves them before it stops, so a run's last sync is not cut off for slower members.
+        self._owed: dict[bytes, list[float]] = {}
         self.dht: hivemind.DHT | None = None
         self._averagers: list[DecentralizedAverager] = []
         self._state_server: _StateServer | None = None
@@ -396,6 +399,11 @@ class HivemindSwarm:
         if members is None:
             return self._no_group(own, seconds)
 
+        if own.messages is not None:
+            with self._lock:
+                now = time.monotonic()
+                self._owed = {k: v for k, v in self._owed.items() if v[0] > 0 and v[1] > now}
+                self._owed[own.token] = [len(members) - 1, now + self.timeouts[fragment].averaging_timeout]
         t1 = time.perf_counter()
         tokens, reasons = self._tokens_to_fetch(own, members)
         downloads = self._download_all(fragment, tokens)
@@ -503,6 +511,10 @@ class HivemindSwarm:
         for message in messages:
             for part in split_for_streaming(message, CHUNK_BYTES):
                 yield averaging_pb2.DownloadData(tensor_part=part)
+        with self._lock:
+            owed = self._owed.get(bytes(request.metadata))
+            if owed is not None:
+                owed[0] -= 1
 
     async def _download(self, fragment: int, peer: PeerID, token: bytes) -> list[runtime_pb2.Tensor]:
         """One member's payloads; a stream larger than this fragment's payloads is cut off (a bad peer)."""
@@ -661,6 +673,7 @@ class HivemindSwarm:
         if self._closed:
             return
         self._closed = True
+        self._serve_what_is_owed()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         if self._loop is not None:
@@ -678,6 +691,23 @@ class HivemindSwarm:
                 averager.shutdown()  # joins for shutdown_timeout, then terminates
         if self.dht is not None:
             self.dht.shutdown()  # joins for its shutdown_timeout, then terminates
+
+    def _serve_what_is_owed(self) -> None:
+        """Keep serving until every member of this peer's recent groups has downloaded its payloads, or
+        their averaging_timeout has passed: a fast peer ending its run must not cut the last sync's
+        downloads of slower members short (over a slow link they take seconds)."""
+        started = time.monotonic()
+        while True:
+            with self._lock:
+                waiting = [d for left, d in self._owed.values() if left > 0 and d > time.monotonic()]
+            if not waiting:
+                break
+            time.sleep(0.05)
+        if time.monotonic() - started > 0.1:
+            log.info(
+                "hivemind: served the last sync's payloads for %.1f s before leaving",
+                time.monotonic() - started,
+            )
 
     def __enter__(self) -> HivemindSwarm:
         return self

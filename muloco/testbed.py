@@ -1,0 +1,362 @@
+"""An emulated wide-area network on one Linux machine: one network namespace per host, rate-limited links.
+
+    host 0 (netns) eth0 ──veth── p0 ┐
+    host 1 (netns) eth0 ──veth── p1 ├─ bridge br0 in the hub netns
+    ...                             ┘
+
+Each host's link is limited in both directions by a token-bucket filter (`tc qdisc ... tbf`): on the host's
+eth0 (its upload) and on the hub's end of the veth (its download), so every host has a symmetric access link
+of `rate_mbit`, as a machine on a WAN uplink has. Addresses come from 198.18.0.0/15 (RFC 2544's range for
+benchmarking), so nothing here can reach, or be confused with, a real network; no interface is created in
+the machine's own namespace.
+
+Latency is not emulated: the kernel's `netem` qdisc is not available here and tbf only queues. Links have the
+veth's sub-millisecond round trip; `muloco.wan.Link.latency_ms` adds latency to projections analytically.
+
+A `Testbed` is a context manager: everything it made (namespaces, links, the processes it started) is torn
+down on leaving, whether the body returned, raised or was interrupted (Ctrl+C, SIGTERM). Namespaces left
+behind by a testbed whose process was SIGKILLed are removed by the next testbed that starts. Needs root and
+iproute2 (`ip`, `tc`): `missing_requirements()` says what is missing, for a skip message.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from muloco.errors import UserError
+
+PREFIX = "mlc-"  # every namespace a testbed makes: mlc-<pid>-<serial>-<host|hub>
+SUBNET = ipaddress.ip_network("198.18.0.0/24")  # inside 198.18.0.0/15 (RFC 2544 benchmarking)
+CMD_TIMEOUT_S = 20.0
+_serial = 0
+
+
+@dataclass(frozen=True)
+class Host:
+    index: int
+    netns: str
+    address: str  # eth0's address inside the namespace
+    interface: str = "eth0"
+
+
+def missing_requirements() -> str | None:
+    """Why a testbed cannot be made here (None when it can): not Linux, not root, no ip/tc, or namespaces
+    refused (a container without CAP_SYS_ADMIN)."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root (run as root, or skip the WAN tests)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` not found: install iproute2"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    made = subprocess.run(
+        ["ip", "netns", "add", probe], capture_output=True, text=True, timeout=CMD_TIMEOUT_S
+    )
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=CMD_TIMEOUT_S)
+    return None
+
+
+def tbf_args(rate_mbit: float) -> list[str]:
+    """tbf's settings for a link of `rate_mbit`. burst: 2 ms at the rate, at least 64 KB (a whole GSO
+    segment, so a bucket never refuses a packet outright); latency: how long a packet may queue before it
+    is dropped; 200 ms keeps TCP at the rate without drops from a full queue at these rates."""
+    rate_bits = rate_mbit * 1e6
+    burst = max(64 * 1024, int(rate_bits / 8 * 0.002))
+    return ["rate", f"{rate_bits:.0f}bit", "burst", str(burst), "latency", "200ms"]
+
+
+def _run(*cmd: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Delete the namespaces of testbeds whose process no longer exists (one that was SIGKILLed)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+    removed = []
+    for line in listed.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX) :].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=CMD_TIMEOUT_S)
+            removed.append(name)
+    return removed
+
+
+class Testbed:
+    """`hosts` namespaces on one bridge, each host's link limited to `rate_mbit` both ways."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, hosts: int, rate_mbit: float) -> None:
+        if hosts < 1 or hosts > 250:
+            raise UserError(f"testbed hosts must be 1..250, got {hosts}")
+        if rate_mbit <= 0:
+            raise UserError(f"testbed rate_mbit must be > 0, got {rate_mbit}")
+        global _serial
+        _serial += 1
+        self.name = f"{PREFIX}{os.getpid()}-{_serial}"
+        self.rate_mbit = rate_mbit
+        self.hub = f"{self.name}-hub"
+        addresses = list(SUBNET.hosts())
+        self.hosts = [Host(i, f"{self.name}-h{i}", str(addresses[i])) for i in range(hosts)]
+        self.processes: list[subprocess.Popen] = []
+        self._made: list[str] = []
+        self._previous_sigterm = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def __enter__(self) -> Testbed:
+        reason = missing_requirements()
+        if reason:
+            raise UserError(f"cannot make a network testbed: {reason}")
+        remove_stale_namespaces()
+        self._raise_on_sigterm()
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def _raise_on_sigterm(self) -> None:
+        """SIGTERM unwinds like Ctrl+C, so `with Testbed(...)` tears down on both (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        self._previous_sigterm = signal.signal(signal.SIGTERM, handler)
+
+    def _build(self) -> None:
+        tbf = tbf_args(self.rate_mbit)
+        _run("ip", "netns", "add", self.hub)
+        self._made.append(self.hub)
+        _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+        for host in self.hosts:
+            _run("ip", "netns", "add", host.netns)
+            self._made.append(host.netns)
+            port = f"p{host.index}"
+            eth, address = host.interface, f"{host.address}/{SUBNET.prefixlen}"
+            # The veth pair is made inside the hub, its host end moved straight into the host's namespace.
+            _run(
+                "ip",
+                "-n",
+                self.hub,
+                "link",
+                "add",
+                port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                eth,
+                "netns",
+                host.netns,
+            )
+            _run("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
+            _run("ip", "-n", host.netns, "addr", "add", address, "dev", eth)
+            _run("ip", "-n", host.netns, "link", "set", eth, "up")
+            _run("ip", "-n", host.netns, "link", "set", "lo", "up")
+            # Upload: the host's egress; download: the hub's egress towards the host.
+            _run("ip", "netns", "exec", host.netns, "tc", "qdisc", "add", "dev", eth, "root", "tbf", *tbf)
+            _run("ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", port, "root", "tbf", *tbf)
+
+    def teardown(self) -> None:
+        """End every process this testbed started, delete its namespaces (which deletes their links). Safe
+        to call twice."""
+        self.teardown_processes()
+        for name in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=CMD_TIMEOUT_S)
+        self._made.clear()
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+
+    def teardown_processes(self) -> None:
+        """SIGTERM every process this testbed started (their whole process group), SIGKILL after 10 s."""
+        for proc in self.processes:
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 10.0
+        for proc in self.processes:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+
+    # -- using it -------------------------------------------------------------------------------------
+    def command(self, host: int, cmd: Sequence[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.hosts[host].netns, *cmd]
+
+    def popen(self, host: int, cmd: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start `cmd` inside host `host`'s namespace, in its own process group (torn down with the
+        testbed; asked to die with this process if it is killed)."""
+        from muloco.launch import _die_with_parent
+
+        proc = subprocess.Popen(
+            self.command(host, cmd), start_new_session=True, preexec_fn=_die_with_parent, **kwargs
+        )
+        self.processes.append(proc)
+        return proc
+
+    def run(self, host: int, cmd: Sequence[str], timeout: float = CMD_TIMEOUT_S) -> str:
+        """Run `cmd` in host `host`'s namespace to completion; its stdout (RuntimeError if it fails)."""
+        done = subprocess.run(self.command(host, cmd), capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` on host {host} failed: {done.stderr.strip()}")
+        return done.stdout
+
+    def interface_bytes(self, host: int) -> tuple[int, int]:
+        """(sent, received) bytes on the host's link so far, headers included: what crossed the wire."""
+        stats = f"/sys/class/net/{self.hosts[host].interface}/statistics"
+        out = self.run(host, ["cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"])
+        tx, rx = out.split()
+        return int(tx), int(rx)
+
+    def namespaces(self) -> list[str]:
+        return list(self._made)
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# -- muloco on a testbed: one worker per host ---------------------------------------------------------
+@dataclass
+class TestbedRun:
+    __test__ = False  # not a pytest test class
+
+    returncodes: list[int | None]
+    wall_s: float  # first process started -> last one ended
+    wire_sent: list[int]  # bytes each host sent over its link during the run (headers included)
+    wire_received: list[int]
+    logs: list[str]  # each host's output file
+
+    @property
+    def ok(self) -> bool:
+        return all(code == 0 for code in self.returncodes)
+
+
+def train_on_testbed(
+    testbed: Testbed,
+    config: str,
+    overrides: Sequence[str],
+    log_dir: str | os.PathLike,
+    backend: str = "torch",
+    timeout_s: float = 1800.0,
+    threads_per_worker: int = 1,
+) -> TestbedRun:
+    """`muloco train` on every host of `testbed`, one worker each. torch: wired as torchrun would, rank 0's
+    host the rendezvous (gloo over eth0). hivemind: host 0 starts the swarm on its address, each other host
+    joins with the multiaddrs of every host before it; each peer a run of its own
+    (`run.name=<name>-peer<i>`). Processes still running after `timeout_s` are ended and count as failed
+    (returncode None)."""
+    from pathlib import Path
+
+    from muloco.launch import _MADDRS, free_port
+
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    n = len(testbed.hosts)
+    port = free_port()  # any port: each namespace has its own port space
+    base_env = {
+        **os.environ,
+        "WORLD_SIZE": str(n),
+        "MASTER_ADDR": testbed.hosts[0].address,
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": testbed.hosts[0].interface,  # gloo would pick the hostname's address
+        "OMP_NUM_THREADS": str(threads_per_worker),
+        "PYTHONUNBUFFERED": "1",
+    }
+    before = [testbed.interface_bytes(h.index) for h in testbed.hosts]
+    procs, logs = [], []
+    started = time.perf_counter()
+    run_name = next((o.split("=", 1)[1] for o in overrides if o.startswith("run.name=")), "run")
+    maddrs: list[str] = []
+    for host in testbed.hosts:
+        extra = [f"backend.kind={backend}", f"train.threads={threads_per_worker}"]
+        if backend == "hivemind":
+            extra += [
+                f"run.name={run_name}-peer{host.index}",
+                f"backend.hivemind.host_maddrs=['/ip4/{host.address}/tcp/0']",
+                f"backend.hivemind.wait_for_peers={n}",
+                f"backend.hivemind.bandwidth_mbps={testbed.rate_mbit}",
+            ]
+            if host.index > 0:
+                # Every earlier peer, not only the first: libp2p's DHT does not route to addresses in
+                # 198.18.0.0/15 (neither public nor private to it), so peers dial the ones they were given
+                # and learn the rest from those connections.
+                maddrs += _wait_for_line(procs[-1], logs[-1], _MADDRS)
+                extra.append(f"backend.hivemind.initial_peers={maddrs}")
+        env = {**base_env, "RANK": str(host.index), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        log_path = log_dir / f"host{host.index}.log"
+        cmd = [sys.executable, "-m", "muloco", "train", config, *overrides, *extra]
+        with open(log_path, "w") as out:
+            procs.append(testbed.popen(host.index, cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
+        logs.append(str(log_path))
+    deadline = started + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            break
+    wall = time.perf_counter() - started
+    codes = [proc.poll() for proc in procs]
+    if any(code is None for code in codes):
+        testbed.teardown_processes()
+    after = [testbed.interface_bytes(h.index) for h in testbed.hosts]
+    return TestbedRun(
+        returncodes=codes,
+        wall_s=wall,
+        wire_sent=[a[0] - b[0] for a, b in zip(after, before, strict=True)],
+        wire_received=[a[1] - b[1] for a, b in zip(after, before, strict=True)],
+        logs=logs,
+    )
+
+
+def _wait_for_line(proc: subprocess.Popen, log_path: str, pattern, timeout_s: float = 120.0) -> list[str]:
+    """The multiaddrs a peer logs once its swarm is up (RuntimeError if it dies or takes too long)."""
+    import ast
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        with open(log_path) as f:
+            match = pattern.search(f.read())
+        if match:
+            return [str(m) for m in ast.literal_eval(match.group(1))]
+        time.sleep(0.2)
+    raise RuntimeError(f"a hivemind peer did not start its swarm; see {log_path}")

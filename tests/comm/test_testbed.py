@@ -1,0 +1,261 @@
+"""The emulated WAN (muloco.testbed): namespaces, addresses, rate limits, teardown, and a short run over it.
+
+Needs root and iproute2; skipped with the reason where either is missing. Every namespace is checked gone
+after each test: on success, on an exception in the body, on Ctrl+C/SIGTERM of the process holding the
+testbed, and (by the next testbed) after a SIGKILL.
+"""
+
+import ipaddress
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from muloco.errors import UserError
+from muloco.testbed import (
+    PREFIX,
+    Testbed,
+    missing_requirements,
+    remove_stale_namespaces,
+    tbf_args,
+    train_on_testbed,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARK_RANGE = ipaddress.ip_network("198.18.0.0/15")
+REASON = missing_requirements()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no network testbed here: {REASON}")
+
+
+def namespaces(prefix: str = PREFIX) -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
+    return {line.split()[0] for line in out.splitlines() if line.split() and line.startswith(prefix)}
+
+
+def test_tbf_burst_covers_a_gso_segment_and_2ms_at_the_rate():
+    assert tbf_args(100) == ["rate", "100000000bit", "burst", "65536", "latency", "200ms"]
+    assert tbf_args(1000)[3] == "250000"  # 2 ms of 1 Gbit/s
+
+
+@pytest.mark.parametrize("hosts, rate", [(0, 10), (251, 10), (2, 0), (2, -5)])
+def test_bad_testbed_sizes_are_user_errors(hosts, rate):
+    with pytest.raises(UserError, match="testbed"):
+        Testbed(hosts, rate)
+
+
+@needs_netns
+def test_hosts_have_benchmark_addresses_rate_limits_and_reach_each_other():
+    with Testbed(3, 40) as testbed:
+        made = set(testbed.namespaces())
+        assert made <= namespaces() and len(made) == 4  # 3 hosts + the hub
+        for host in testbed.hosts:
+            assert ipaddress.ip_address(host.address) in BENCHMARK_RANGE
+            addrs = testbed.run(host.index, ["ip", "-4", "-o", "addr", "show"])
+            # Only loopback and the benchmark address: nothing routes out of the namespace.
+            assert f"inet {host.address}/24" in addrs and addrs.count("inet ") == 2
+            assert "rate 40Mbit" in testbed.run(host.index, ["tc", "qdisc", "show", "dev", "eth0"])
+            routes = testbed.run(host.index, ["ip", "route"]).strip().splitlines()
+            assert routes == [f"198.18.0.0/24 dev eth0 proto kernel scope link src {host.address}"]
+        # host 2 reaches host 0 over TCP
+        server = testbed.popen(0, [sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+        reply = testbed.run(2, [sys.executable, "-c", ECHO_CLIENT.format(address=testbed.hosts[0].address)])
+        assert reply.strip() == "pong"
+        server.wait(timeout=10)
+    assert not made & namespaces()
+
+
+ECHO_SERVER = textwrap.dedent("""
+    import socket
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", 5001)); s.listen(1); s.settimeout(15)
+    c, _ = s.accept(); c.sendall(b"pong"); c.close()
+""")
+ECHO_CLIENT = textwrap.dedent("""
+    import socket, time
+    for _ in range(50):
+        try:
+            c = socket.create_connection(("{address}", 5001), timeout=5); break
+        except OSError:
+            time.sleep(0.1)
+    print(c.recv(4).decode())
+""")
+
+
+@needs_netns
+def test_the_rate_limit_holds_both_ways():
+    """1.5 MB at 8 Mbit/s takes >= 1.5 s; the same on the host's download direction."""
+    payload = 1_500_000
+    send = (
+        "import socket; s = socket.create_connection(('{address}', 5001), timeout=20); "
+        f"s.sendall(b'x' * {payload}); s.close()"
+    )
+    recv = textwrap.dedent(f"""
+        import socket, time
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", 5001)); s.listen(1); s.settimeout(20)
+        c, _ = s.accept(); n = 0; t0 = time.perf_counter()
+        while n < {payload}:
+            b = c.recv(1 << 20)
+            if not b: break
+            n += len(b)
+        print(n, time.perf_counter() - t0)
+    """)
+    with Testbed(2, 8) as testbed:
+        for receiver, sender in ((0, 1), (1, 0)):
+            server = testbed.popen(receiver, [sys.executable, "-c", recv], stdout=subprocess.PIPE, text=True)
+            time.sleep(0.3)
+            address = testbed.hosts[receiver].address
+            testbed.run(sender, [sys.executable, "-c", send.format(address=address)], timeout=30)
+            n, seconds = server.communicate(timeout=30)[0].split()
+            assert int(n) == payload
+            # 1.5 MB at 8 Mbit/s = 1.5 s; the bucket's 64 KB burst and the socket buffers shave a little
+            assert 1.2 < float(seconds) < 4.0
+
+
+@needs_netns
+def test_teardown_after_an_exception_in_the_body():
+    with pytest.raises(RuntimeError, match="boom"):
+        with Testbed(2, 10) as testbed:
+            made = set(testbed.namespaces())
+            sleeper = testbed.popen(1, ["sleep", "60"])
+            raise RuntimeError("boom")
+    assert not made & namespaces()
+    assert sleeper.poll() is not None  # the process started in the namespace ended too
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from muloco.testbed import Testbed
+    with Testbed(2, 10) as testbed:
+        sleeper = testbed.popen(0, ["sleep", "120"])
+        print(sleeper.pid, *testbed.namespaces(), flush=True)
+        time.sleep(120)
+""")
+
+
+def start_holder() -> tuple[subprocess.Popen, int, set[str]]:
+    """A process holding a testbed with a process in it; its pid and the namespaces it made."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    first, *made = holder.stdout.readline().split()
+    return holder, int(first), set(made)
+
+
+def ended(pid: int) -> bool:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@needs_netns
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_teardown_on_ctrl_c_and_sigterm(signum):
+    holder, sleeper, made = start_holder()
+    try:
+        assert len(made) == 3 and made <= namespaces()
+        holder.send_signal(signum)
+        holder.wait(timeout=30)
+        assert not made & namespaces()
+        assert ended(sleeper)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@needs_netns
+def test_namespaces_of_a_killed_testbed_are_removed_by_the_next():
+    holder, sleeper, made = start_holder()
+    try:
+        holder.kill()  # SIGKILL: no teardown runs
+        holder.wait(timeout=10)
+        assert ended(sleeper)  # asked to die with its parent
+        assert made <= namespaces()
+        assert made <= set(remove_stale_namespaces())
+        assert not made & namespaces()
+    finally:
+        holder.kill()
+        holder.wait()
+        for name in made & namespaces():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+
+
+# -- a short run over the emulated WAN: MuLoCo sends less and waits less than DDP for the same tokens ------
+TINY_WAN = [
+    "model.preset=nano",
+    "workers=2",
+    "train.total_tokens=12288",  # 12 steps of 1024 tokens
+    "train.batch_tokens=1024",
+    "train.warmup_steps=2",
+    "train.eval_every=0",
+    "train.eval_tokens=2048",
+    "sync.every=6",
+    "checkpoint.resume=never",
+]
+
+
+@pytest.mark.slow
+@needs_netns
+def test_muloco_sends_less_and_waits_less_than_ddp_over_a_slow_link(tmp_path):
+    rate = 20.0  # Mbit/s: a DDP step's 3.4 MB all-reduce takes ~1.4 s, far above its compute
+    config = str(ROOT / "configs/quickstart.yaml")
+    runs = {}
+    with Testbed(2, rate) as testbed:
+        for name, method in (("ddp", ["method=dp"]), ("muloco", [])):
+            overrides = [*TINY_WAN, *method, f"run.name={name}", f"run.output_dir={tmp_path}"]
+            run = train_on_testbed(testbed, config, overrides, tmp_path / f"{name}.logs", timeout_s=240)
+            assert run.ok, f"{name}: exit codes {run.returncodes}; " + Path(run.logs[0]).read_text()[-2000:]
+            summary = json.loads((tmp_path / name / "summary.json").read_text())
+            assert summary["status"] == "completed" and summary["tokens_seen"] == 12288
+            runs[name] = (summary, run)
+    ddp, muloco = runs["ddp"][0], runs["muloco"][0]
+    # What muloco counts: 12 all-reduces of the fp32 gradients vs 2 of the fp32 pseudogradients.
+    assert muloco["bytes_sent_per_worker"] == pytest.approx(ddp["bytes_sent_per_worker"] / 6)
+    # What crossed the wire agrees (headers and the start-up broadcast of the parameters on top).
+    for summary, run in runs.values():
+        assert (
+            summary["bytes_sent_per_worker"]
+            < min(run.wire_sent)
+            < 1.25 * summary["bytes_sent_per_worker"] + 4e6
+        )
+    # The link really is 20 Mbit/s: DDP cannot have waited less than its bytes take at that rate.
+    assert ddp["comm_wait_s"] > 0.8 * 8 * ddp["bytes_sent_per_worker"] / (rate * 1e6)
+    assert muloco["comm_wait_s"] < ddp["comm_wait_s"] / 3
+
+
+@pytest.mark.slow
+@needs_netns
+def test_hivemind_peers_on_separate_hosts_average_every_sync(tmp_path):
+    """Two peers on hosts of their own (their multiaddrs in 198.18.0.0/15), 4-bit payloads over a 20 Mbit/s
+    link: every sync is a group of both, and both end with the same global parameters."""
+    pytest.importorskip("hivemind")
+    config = str(ROOT / "configs/quickstart.yaml")
+    overrides = [
+        *TINY_WAN,
+        "run.name=swarm",
+        f"run.output_dir={tmp_path}",
+        "compression.scheme=statistical",
+        "compression.bits=4",
+        "backend.hivemind.target_group_size=2",
+    ]
+    with Testbed(2, 20) as testbed:
+        run = train_on_testbed(
+            testbed, config, overrides, tmp_path / "logs", backend="hivemind", timeout_s=240
+        )
+    assert run.ok, f"exit codes {run.returncodes}; " + Path(run.logs[1]).read_text()[-2000:]
+    finals = []
+    for peer in (0, 1):
+        run_dir = tmp_path / f"swarm-peer{peer}"
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r.get("group_size") for r in records if r["kind"] == "sync"] == [2, 2]
+        finals.append(json.loads((run_dir / "summary.json").read_text())["final_val_loss"])
+    assert finals[0] == finals[1]
