@@ -317,9 +317,9 @@ def train_on_testbed(
                 f"backend.hivemind.bandwidth_mbps={testbed.rate_mbit}",
             ]
             if host.index > 0:
-                # Every earlier peer, not only the first: libp2p's DHT does not route to addresses in
-                # 198.18.0.0/15 (neither public nor private to it), so peers dial the ones they were given
-                # and learn the rest from those connections.
+                # Every earlier peer, not only the first: peers that knew only host 0 could not dial each
+                # other here (the p2p daemon: "routing: not found"), so groups fell apart. Dialling the
+                # peers they were given is enough; the later ones then dial them.
                 maddrs += _wait_for_line(procs[-1], logs[-1], _MADDRS)
                 extra.append(f"backend.hivemind.initial_peers={maddrs}")
         env = {**base_env, "RANK": str(host.index), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
