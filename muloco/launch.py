@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 
 GRACE_S = 10.0  # how long ended processes get to write their checkpoint before SIGKILL
 SWARM_START_TIMEOUT_S = 120.0  # how long peer 0 may take to print its multiaddrs
@@ -61,9 +62,9 @@ def launch(
         if backend == "hivemind":
             extra = [f"run.name={run_name}-peer{rank}", f"backend.hivemind.wait_for_peers={nproc}"]
             if rank > 0:
-                swarm_maddrs = swarm_maddrs or _wait_for_maddrs(procs[0], tails[0])
+                swarm_maddrs = swarm_maddrs or wait_for_maddrs(procs[0], lambda: list(tails[0]))
                 if not swarm_maddrs:
-                    _end_all(procs)
+                    end_processes(procs)
                     last = next((line for line in reversed(tails[0]) if line.strip()), "")
                     print(f"muloco: error: peer 0 did not start a swarm: {last}", file=sys.stderr)
                     return 1
@@ -89,7 +90,7 @@ def launch(
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=sigterm_when_parent_dies,
         )
         procs.append(proc)
         tail: deque = deque(maxlen=20)
@@ -116,10 +117,10 @@ def launch(
                 if code not in (None, 0) and failed_rank is None and not forwarded:
                     failed_rank = rank
                     if backend != "hivemind":  # torch ranks would only wait for the failed one
-                        _end_all(procs)
+                        end_processes(procs)
             time.sleep(0.1)
     finally:
-        _end_all(procs)
+        end_processes(procs)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for t in threads:
@@ -135,11 +136,12 @@ def launch(
     return code if code and code > 0 else 1
 
 
-def _wait_for_maddrs(proc: subprocess.Popen, tail: deque) -> list[str]:
-    """Peer 0's multiaddrs, from the line it logs once its swarm is up (empty if it died or timed out)."""
+def wait_for_maddrs(proc: subprocess.Popen, read_lines: Callable[[], Iterable[str]]) -> list[str]:
+    """A peer's multiaddrs, from the line it logs once its swarm is up (`read_lines`: its output so far);
+    empty if it died or did not get there within SWARM_START_TIMEOUT_S."""
     deadline = time.monotonic() + SWARM_START_TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:
-        for line in list(tail):
+        for line in read_lines():
             match = _MADDRS.search(line)
             if match:
                 return [str(m) for m in ast.literal_eval(match.group(1))]
@@ -159,7 +161,7 @@ def _load_prctl():
 _PRCTL = _load_prctl()  # loaded in the launcher: after fork (threads running) the child only calls it
 
 
-def _die_with_parent() -> None:
+def sigterm_when_parent_dies() -> None:
     """In the child, before exec: ask Linux to SIGTERM it if the launcher dies (even by SIGKILL), so no
     rank is left waiting on a collective. Elsewhere a no-op."""
     if _PRCTL is not None:
@@ -173,15 +175,26 @@ def die_with_parent() -> None:
         _PRCTL(1, int(signal.SIGKILL))
 
 
-def _end_all(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every live process, SIGKILL what is still alive after the grace period."""
+def end_processes(procs: list[subprocess.Popen], whole_group: bool = False) -> None:
+    """SIGTERM every live process, SIGKILL what is still alive after the grace period. whole_group: signal
+    each one's process group (it was started with start_new_session), so its children go too."""
+
+    def send(p: subprocess.Popen, signum: int) -> None:
+        try:
+            if whole_group:
+                os.killpg(p.pid, signum)
+            else:
+                p.send_signal(signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     for p in procs:
         if p.poll() is None:
-            p.terminate()
+            send(p, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
     for p in procs:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            send(p, signal.SIGKILL)
             p.wait()

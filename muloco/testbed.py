@@ -22,6 +22,7 @@ iproute2 (`ip`, `tc`): `missing_requirements()` says what is missing, for a skip
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import os
 import shutil
 import signal
@@ -31,13 +32,15 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from muloco.errors import UserError
+from muloco.launch import end_processes, free_port, sigterm_when_parent_dies, wait_for_maddrs
 
 PREFIX = "mlc-"  # every namespace a testbed makes: mlc-<pid>-<serial>-<host|hub>
 SUBNET = ipaddress.ip_network("198.18.0.0/24")  # inside 198.18.0.0/15 (RFC 2544 benchmarking)
 CMD_TIMEOUT_S = 20.0
-_serial = 0
+_serials = itertools.count(1)  # testbeds made by this process
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,7 @@ def remove_stale_namespaces() -> list[str]:
     """Delete the namespaces of testbeds whose process no longer exists (one that was SIGKILLed)."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
     removed = []
-    for line in listed.stdout.splitlines():
-        name = line.split()[0] if line.split() else ""
+    for name in (line.split(maxsplit=1)[0] for line in listed.stdout.splitlines() if line.strip()):
         if not name.startswith(PREFIX):
             continue
         pid = name[len(PREFIX) :].split("-")[0]
@@ -118,9 +120,7 @@ class Testbed:
             raise UserError(f"testbed hosts must be 1..250, got {hosts}")
         if rate_mbit <= 0:
             raise UserError(f"testbed rate_mbit must be > 0, got {rate_mbit}")
-        global _serial
-        _serial += 1
-        self.name = f"{PREFIX}{os.getpid()}-{_serial}"
+        self.name = f"{PREFIX}{os.getpid()}-{next(_serials)}"
         self.rate_mbit = rate_mbit
         self.hub = f"{self.name}-hub"
         addresses = list(SUBNET.hosts())
@@ -204,16 +204,7 @@ class Testbed:
 
     def teardown_processes(self) -> None:
         """SIGTERM every process this testbed started (their whole process group), SIGKILL after 10 s."""
-        for proc in self.processes:
-            if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + 10.0
-        for proc in self.processes:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait()
+        end_processes(self.processes, whole_group=True)
 
     # -- using it -------------------------------------------------------------------------------------
     def command(self, host: int, cmd: Sequence[str]) -> list[str]:
@@ -222,10 +213,8 @@ class Testbed:
     def popen(self, host: int, cmd: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start `cmd` inside host `host`'s namespace, in its own process group (torn down with the
         testbed; asked to die with this process if it is killed)."""
-        from muloco.launch import _die_with_parent
-
         proc = subprocess.Popen(
-            self.command(host, cmd), start_new_session=True, preexec_fn=_die_with_parent, **kwargs
+            self.command(host, cmd), start_new_session=True, preexec_fn=sigterm_when_parent_dies, **kwargs
         )
         self.processes.append(proc)
         return proc
@@ -246,13 +235,6 @@ class Testbed:
 
     def namespaces(self) -> list[str]:
         return list(self._made)
-
-
-def _signal_group(proc: subprocess.Popen, signum: int) -> None:
-    try:
-        os.killpg(proc.pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # -- muloco on a testbed: one worker per host ---------------------------------------------------------
@@ -285,10 +267,6 @@ def train_on_testbed(
     joins with the multiaddrs of every host before it; each peer a run of its own
     (`run.name=<name>-peer<i>`). Processes still running after `timeout_s` are ended and count as failed
     (returncode None)."""
-    from pathlib import Path
-
-    from muloco.launch import _MADDRS, free_port
-
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     n = len(testbed.hosts)
@@ -320,7 +298,7 @@ def train_on_testbed(
                 # Every earlier peer, not only the first: peers that knew only host 0 could not dial each
                 # other here (the p2p daemon: "routing: not found"), so groups fell apart. Dialling the
                 # peers they were given is enough; the later ones then dial them.
-                maddrs += _wait_for_line(procs[-1], logs[-1], _MADDRS)
+                maddrs += _swarm_maddrs(procs[-1], logs[-1])
                 extra.append(f"backend.hivemind.initial_peers={maddrs}")
         env = {**base_env, "RANK": str(host.index), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
         log_path = log_dir / f"host{host.index}.log"
@@ -348,15 +326,9 @@ def train_on_testbed(
     )
 
 
-def _wait_for_line(proc: subprocess.Popen, log_path: str, pattern, timeout_s: float = 120.0) -> list[str]:
+def _swarm_maddrs(proc: subprocess.Popen, log_path: str) -> list[str]:
     """The multiaddrs a peer logs once its swarm is up (RuntimeError if it dies or takes too long)."""
-    import ast
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        with open(log_path) as f:
-            match = pattern.search(f.read())
-        if match:
-            return [str(m) for m in ast.literal_eval(match.group(1))]
-        time.sleep(0.2)
-    raise RuntimeError(f"a hivemind peer did not start its swarm; see {log_path}")
+    found = wait_for_maddrs(proc, lambda: Path(log_path).read_text().splitlines())
+    if not found:
+        raise RuntimeError(f"a hivemind peer did not start its swarm; see {log_path}")
+    return found
