@@ -81,6 +81,9 @@ log = logging.getLogger("muloco")
 
 CHUNK_BYTES = 1 << 20  # payload stream chunks (hivemind's stream messages have no size limit)
 SERVED_SYNCS = 2  # payloads kept per fragment: a fast peer may start its next sync while others download
+# A download counts as served once the handler has handed its last chunk to the p2p daemon, before the peer
+# has it: close() waits this much longer before shutting the daemon down.
+DELIVERY_GRACE_S = 0.5
 
 
 # ---- results and handles --------------------------------------------------------------------------------
@@ -697,12 +700,16 @@ class HivemindSwarm:
         their averaging_timeout has passed: a fast peer ending its run must not cut the last sync's
         downloads of slower members short (over a slow link they take seconds)."""
         started = time.monotonic()
+        with self._lock:
+            recent = any(deadline > started for _, deadline in self._owed.values())
         while True:
             with self._lock:
                 waiting = [d for left, d in self._owed.values() if left > 0 and d > time.monotonic()]
             if not waiting:
                 break
             time.sleep(0.05)
+        if recent:
+            time.sleep(DELIVERY_GRACE_S)
         if time.monotonic() - started > 0.1:
             log.info(
                 "hivemind: served the last sync's payloads for %.1f s before leaving",
