@@ -35,6 +35,7 @@ class RunConfig(Section):
 
 # Size presets: (d_model, n_layers, n_heads). Parameter counts are for the byte-level vocab (256).
 MODEL_PRESETS: dict[str, tuple[int, int, int]] = {
+    "pico": (64, 3, 4),  # ~0.19M: hundreds of outer steps in minutes on a CPU (docs/results.md)
     "nano": (128, 4, 4),  # ~0.86M parameters
     "micro": (256, 4, 4),  # ~3.3M
     "small": (384, 6, 6),  # ~10.8M
@@ -44,7 +45,7 @@ MODEL_PRESETS: dict[str, tuple[int, int, int]] = {
 
 
 class ModelConfig(Section):
-    preset: Literal["nano", "micro", "small", "medium", "base"] = Field(
+    preset: Literal["pico", "nano", "micro", "small", "medium", "base"] = Field(
         "micro", description="Size preset; `d_model`, `n_layers`, `n_heads` override its values."
     )
     d_model: int | None = Field(None, gt=0, description="Width. Default: from the preset.")
@@ -55,6 +56,11 @@ class ModelConfig(Section):
     seq_len: int = Field(256, gt=0, description="Context length in tokens.")
     mlp_ratio: int = Field(4, gt=0, description="MLP hidden width = mlp_ratio x d_model.")
     norm: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="Normalization layer.")
+    qkv: Literal["fused", "split"] = Field(
+        "fused",
+        description="Attention's query/key/value weights: one (3C, C) matrix, or three (C, C) ones as in "
+        "Llama (the MuLoCo paper's models); Muon orthogonalizes each matrix as a whole.",
+    )
 
     @model_validator(mode="after")
     def _fill_from_preset(self) -> ModelConfig:
@@ -404,6 +410,14 @@ class SimulationConfig(Section):
     )
 
 
+class DiagnosticsConfig(Section):
+    alignment: bool = Field(
+        False,
+        description="Log how the workers' pseudogradients align with each other and with one replica "
+        "trained on the union of their batches (muloco/alignment.py); doubles the compute; simulation only.",
+    )
+
+
 class LoggingConfig(Section):
     wandb: bool = Field(False, description="Log to Weights & Biases (offline when no API key is set).")
     wandb_project: str = Field("muloco", description="wandb project.")
@@ -455,6 +469,7 @@ class Config(Section):
     backend: BackendConfig = Field(default_factory=BackendConfig)
     simulation: SimulationConfig = Field(default_factory=SimulationConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     @model_validator(mode="after")
@@ -506,6 +521,13 @@ class Config(Section):
                 "compression applies to pseudogradients (method: diloco); with method: dp set "
                 "compression.scheme=none"
             )
+        if self.diagnostics.alignment and (
+            self.method == "dp" or self.backend.kind != "local" or self.sync.streaming
+        ):
+            raise ValueError(
+                "diagnostics.alignment needs method: diloco on backend.kind=local without streaming "
+                "(sync.fragments=1, sync.overlap=0, sync.alpha=0); set diagnostics.alignment=false"
+            )
         if self.data.source == "tokens" and (self.data.path is None or self.data.vocab_size is None):
             raise ValueError(
                 "data.source: tokens needs data.path (a directory with train.bin) and data.vocab_size"
@@ -531,7 +553,16 @@ class Config(Section):
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def fingerprint(
-        self, exclude: tuple[str, ...] = ("run", "logging", "checkpoint", "backend", "simulation", "device")
+        self,
+        exclude: tuple[str, ...] = (
+            "run",
+            "logging",
+            "checkpoint",
+            "backend",
+            "simulation",
+            "device",
+            "diagnostics",
+        ),
     ) -> str:
         """Hash of the settings that change the maths, to tell checkpoints and ranks apart. Where the
         replicas run (backend, simulation, device, train.threads) and what is logged when are left out:
@@ -539,6 +570,9 @@ class Config(Section):
         data = {k: v for k, v in self.to_dict().items() if k not in exclude}
         for key in ("threads", "log_every", "eval_every", "eval_tokens", "max_bad_syncs"):
             data["train"].pop(key, None)
+        # Keys added after checkpoints existed count only when set, so older checkpoints still resume.
+        if data["model"].get("qkv") == "fused":
+            del data["model"]["qkv"]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, NullLocator
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 # A curve: (label, is_dp_baseline, tokens, val losses).
 Curve = tuple[str, bool, list[float], list[float]]
@@ -33,6 +33,7 @@ def loss_vs_tokens(groups: dict[str, list[Curve]], path: Path) -> None:
             ax.plot(tokens, losses, marker=".", markersize=3, linewidth=1.2, label=label, **style)
         ax.set_title(f"inner optimizer: {group}")
         ax.set_xlabel("tokens seen (all workers)")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: short_number(x)))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("validation loss")
@@ -41,13 +42,29 @@ def loss_vs_tokens(groups: dict[str, list[Curve]], path: Path) -> None:
 
 
 def _bottom_at_final_losses(axes, groups: dict[str, list[Curve]]) -> None:
-    """Zoom the shared y axis on the end of training, where runs differ (the first evals are ~ln V)."""
-    finals = [c[3][-1] for curves in groups.values() for c in curves if c[3]]
-    firsts = [c[3][0] for curves in groups.values() for c in curves if c[3]]
-    if finals and firsts:
-        low, high = min(finals), max(firsts)
-        top = low + 3 * (max(finals) - low + 0.05)
-        axes[0].set_ylim(low - 0.05 * (top - low), min(high, top) + 0.02)
+    """Show every eval point: the y axis spans the lowest loss to the highest first eval (~ln V); a log
+    scale keeps the end of training, where runs differ, readable beside the first evals."""
+    losses = [v for curves in groups.values() for c in curves for v in c[3] if math.isfinite(v)]
+    if losses:
+        low, high = min(losses), max(losses)
+        axes[0].set_yscale("log")
+        axes[0].set_ylim(low * 0.98, high * 1.02)
+        ticks = sorted({float(f"{y:.2g}") for y in _geomspace(low, high, 9)})
+        axes[0].yaxis.set_major_locator(FixedLocator(ticks))
+        axes[0].yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        axes[0].yaxis.set_minor_locator(NullLocator())
+
+
+def _geomspace(low: float, high: float, n: int) -> list[float]:
+    return [low * (high / low) ** (i / (n - 1)) for i in range(n)]
+
+
+def short_number(x: float) -> str:
+    """300000 -> 300k, 1500000 -> 1.5M: tick labels for token counts."""
+    for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= size:
+            return f"{x / size:g}{suffix}"
+    return f"{x:g}"
 
 
 def series_plot(

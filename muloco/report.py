@@ -10,7 +10,8 @@ Reads every `DIR/*/summary.json` with its `config.yaml` and `metrics.jsonl`, and
 
 A run's DP baseline is the completed `method: dp` run with the same inner optimizer, tokens seen and
 settings DP uses (model, data, inner, train budget); one with the same `workers` (the same data shards) is
-preferred.
+preferred. Without one, it is the best (lowest final loss) DP run that differs from it only in its lrs
+(`inner.lr`, `inner.adamw.lr`): the tuned baseline, so each method can run at its own tuned lr.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from muloco.metrics import read_jsonl
 # Config keys that never tell runs apart in a report (names, places, logging, threads).
 IGNORED_PREFIXES = ("run.name", "run.output_dir", "logging.", "checkpoint.", "train.threads")
 # Keys a DP run ignores, or that may differ between a run and its DP baseline.
-DP_FREE_PREFIXES = ("method", "workers", "sync.", "outer.", "compression.")
+DP_FREE_PREFIXES = ("method", "workers", "sync.", "outer.", "compression.", "diagnostics.")
+# The inner lrs: a run without a DP run at its own lr is compared with the best DP run over these.
+LR_KEYS = ("inner.lr", "inner.adamw.lr")
 
 PLOTS = {
     "loss_vs_tokens.png": "validation loss vs tokens, per inner optimizer",
@@ -136,23 +139,28 @@ def find_baseline(run: RunRecord, runs: list[RunRecord]) -> RunRecord | None:
     if run.is_dp:
         return None
 
-    def dp_settings(r: RunRecord) -> dict[str, Any]:
+    def dp_settings(r: RunRecord, free: tuple[str, ...] = ()) -> dict[str, Any]:
         return {
             k: _canonical(v)
             for k, v in r.config.items()
-            if not k.startswith(IGNORED_PREFIXES) and not k.startswith(DP_FREE_PREFIXES)
+            if not k.startswith(IGNORED_PREFIXES) and not k.startswith((*DP_FREE_PREFIXES, *free))
         }
 
-    candidates = [
-        r
-        for r in runs
-        if r.is_dp
-        and r.completed
-        and r.loss is not None
-        and r.group == run.group
-        and r.summary.get("tokens_seen") == run.summary.get("tokens_seen")
-        and (not r.config or not run.config or dp_settings(r) == dp_settings(run))
-    ]
+    def matching(free: tuple[str, ...]) -> list[RunRecord]:
+        return [
+            r
+            for r in runs
+            if r.is_dp
+            and r.completed
+            and r.loss is not None
+            and r.group == run.group
+            and r.summary.get("tokens_seen") == run.summary.get("tokens_seen")
+            and (not r.config or not run.config or dp_settings(r, free) == dp_settings(run, free))
+        ]
+
+    candidates = matching(())
+    if not candidates:  # the tuned DP baseline: the best DP run that differs only in its lrs
+        candidates = sorted(matching(LR_KEYS), key=lambda r: r.loss)
     same_workers = [r for r in candidates if r.summary.get("workers") == run.summary.get("workers")]
     return (same_workers or candidates or [None])[0]
 
@@ -297,12 +305,20 @@ Series = dict[tuple[str, tuple[tuple[str, str], ...]], list[tuple[float, float]]
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
+def own_lr(run: RunRecord) -> Any:
+    """The lr of the run's inner optimizer: inner.adamw.lr for AdamW, inner.lr for Muon and SGD (under
+    Muon, inner.adamw.lr only drives the embeddings, head and norms)."""
+    return run.config.get("inner.adamw.lr" if run.group == "adamw" else "inner.lr")
+
+
 def _series_key(run: RunRecord, keys: list[str], drop: tuple[str, ...]) -> tuple:
-    """(inner optimizer, values of the varied keys not on the plot's axes)."""
-    skip = ("inner.optimizer", "method")
-    return run.group, tuple(
-        (k, _cell(run.config.get(k))) for k in keys if k not in skip and not k.startswith(drop)
-    )
+    """(inner optimizer, its own lr, then the values of the other varied keys not on the plot's axes).
+    Under Muon a varied AdamW-side lr is kept as `adamw.lr`; under AdamW, Muon's lr means nothing."""
+    skip = ("inner.optimizer", "method", *LR_KEYS)
+    other = [(k, _cell(run.config.get(k))) for k in keys if k not in skip and not k.startswith(drop)]
+    if run.group != "adamw" and "inner.adamw.lr" in keys:
+        other.insert(0, ("adamw.lr", _cell(run.config.get("inner.adamw.lr"))))
+    return run.group, (("lr", _cell(own_lr(run))), *other)
 
 
 def _series(runs: list[RunRecord], keys: list[str], drop: tuple[str, ...], point) -> Series:
@@ -320,11 +336,15 @@ def _styled(series: Series, groups: list[str], suffix: str = "", dashed: bool = 
     """Labels naming only what tells the series apart; one colour per inner optimizer (as in the DP
     reference lines), one marker per series within it."""
     varying = {k for _, other in series for k, v in other if len({dict(o).get(k) for _, o in series}) > 1}
+    varying.add("lr")  # every series names its inner optimizer's own lr
     lines: dict[str, list[tuple[float, float]]] = {}
     styles: dict[str, dict] = {}
     per_group: dict[str, int] = {}
     for (group, other), points in series.items():
-        parts = [group, *(f"{k.split('.')[-1]}={v}" for k, v in other if k in varying)]
+        parts = [
+            group,
+            *(f"{k if k == 'adamw.lr' else k.split('.')[-1]}={v}" for k, v in other if k in varying),
+        ]
         label = " ".join(parts) + suffix
         index = per_group[group] = per_group.get(group, -1) + 1
         lines[label] = points

@@ -158,9 +158,6 @@ def parse_sweep(data: Any, path: str | Path) -> SweepSpec:
                 f"{where}: grid.{key} must be a non-empty list of values, got {values!r}; "
                 f"write e.g. {key}: [{values!r}]"
             )
-        seen = [_canonical(v) for v in values]
-        if len(set(seen)) != len(seen):
-            raise ConfigError(f"{where}: grid.{key} lists a value twice ({values!r}); list each value once")
         grid[key] = values
 
     fixed_raw = data.get("fixed") or {}
@@ -178,6 +175,7 @@ def parse_sweep(data: Any, path: str | Path) -> SweepSpec:
         raise ConfigError(f"{where}: {both[0]} is both in fixed and in grid; keep it in one of them")
 
     zip_groups = _parse_zip(data.get("zip") or [], grid, where)
+    _check_no_repeats(grid, zip_groups, where)
     exclude = _parse_exclude(data.get("exclude") or [], grid, where)
 
     baselines = data.get("baselines", "none")
@@ -217,6 +215,22 @@ def _parse_zip(groups: Any, grid: dict[str, list[Any]], where: str) -> list[list
             detail = ", ".join(f"{k} has {n}" for k, n in lengths.items())
             raise ConfigError(f"{where}: zipped lists must have the same length ({detail}); fix the lists")
     return [list(g) for g in groups]
+
+
+def _check_no_repeats(grid: dict[str, list[Any]], zip_groups: list[list[str]], where: str) -> None:
+    """A grid key lists each value once; in a zip group a key may repeat a value (each method at its own
+    lr: [adamw, adamw, muon] with [0.003, 0.006, 0.02]) but no two rows may be the same run."""
+    zipped = {key for group in zip_groups for key in group}
+    for key, values in grid.items():
+        seen = [_canonical(v) for v in values]
+        if key not in zipped and len(set(seen)) != len(seen):
+            raise ConfigError(f"{where}: grid.{key} lists a value twice ({values!r}); list each value once")
+    for group in zip_groups:
+        rows = [tuple(_canonical(grid[k][i]) for k in group) for i in range(len(grid[group[0]]))]
+        if len(set(rows)) != len(rows):
+            raise ConfigError(
+                f"{where}: zip group {group} lists the same row twice; list each combination once"
+            )
 
 
 def _parse_exclude(rules: Any, grid: dict[str, list[Any]], where: str) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ import torch
 from torch.profiler import record_function
 
 import muloco
+from muloco.alignment import AlignmentProbe, UnionStream
 from muloco.checkpoint import (
     checkpoint_step,
     find_resume_state,
@@ -45,7 +46,7 @@ from muloco.data import ReplicaStream, load_data, val_batches
 from muloco.errors import CheckpointError, TrainingError, UserError
 from muloco.lr_schedule import lr_multiplier
 from muloco.metrics import MetricsLogger, start_wandb
-from muloco.models import build_model, param_roles
+from muloco.models import ParamRole, build_model, param_roles
 from muloco.optim import build_inner_optimizer
 from muloco.outer import OuterOptimizer
 from muloco.peer import SwarmPeer, peer_index
@@ -119,6 +120,7 @@ class Trainer:
         streams = [ReplicaStream(self.data.train, seq_len, r, K, cfg.run.seed) for r in self.local_indices]
         self.replicas, self.dp_streams = self._build_replicas(template, streams)
         self.outer = self._build_outer(template) if cfg.method == "diloco" else None
+        self.probe = self._build_probe(template) if cfg.diagnostics.alignment else None
         self.fragments, self.codecs = self._build_fragments(template) if self.outer else ([], [])
         self.schedule = SyncSchedule(cfg.sync.every, cfg.sync.fragments, cfg.sync.overlap)
         self.swarm = None
@@ -149,6 +151,9 @@ class Trainer:
         self.stop_signal: int | None = None
         self.resumed_from: Path | None = None
         self._resume()
+        if self.probe is not None:
+            self.probe.replica.load_global(self.outer.params)
+            self.probe.replica.stream.seek(self.replicas[0].stream.position)
         if self.swarm is not None:
             self._join_swarm()
         if self.is_main:
@@ -181,6 +186,17 @@ class Trainer:
                 replica.error_feedback = ErrorFeedback(cfg.compression.ef_decay, cfg.compression.ef_alpha)
             replicas.append(replica)
         return replicas, []
+
+    def _build_probe(self, template) -> AlignmentProbe:
+        """diagnostics.alignment: a replica on the union of the K workers' batches (alignment.py)."""
+        cfg, K = self.cfg, self.cfg.workers
+        streams = [ReplicaStream(self.data.train, cfg.model.seq_len, r, K, cfg.run.seed) for r in range(K)]
+        model = copy.deepcopy(template).to(self.device)
+        optimizer = build_inner_optimizer(model, cfg.inner)
+        replica = Replica(-1, model, optimizer, UnionStream(streams), self.device)
+        roles = param_roles(model)
+        matrices = [i for i, (n, _) in enumerate(model.named_parameters()) if roles[n] == ParamRole.MATRIX]
+        return AlignmentProbe(replica, matrices)
 
     def _build_fragments(self, template) -> tuple[list[list[int]], list[PseudogradientCodec]]:
         """Parameter indices of each sync fragment (one fragment unless streaming) and, with compression,
@@ -460,6 +476,14 @@ class Trainer:
         self.worker_compute_s += sum(segment_times) / len(segment_times)
         if any(replica.inner_steps < end for replica in self.replicas):
             return  # interrupted: the loop writes a checkpoint
+        if self.probe is not None:  # diagnostics: the same steps on the union of the workers' batches
+            probe = self.probe.replica
+            while probe.inner_steps < end:
+                multiplier = self._lr_multiplier(probe.inner_steps)
+                probe.train_step(
+                    self.micro_batches, self.seqs_per_micro, multiplier, cfg.train.grad_clip, self.autocast
+                )
+                probe.inner_steps += 1
         self.step = end
         self.unsynced = [True] * len(self.fragments)
 
@@ -517,6 +541,8 @@ class Trainer:
                     torch._foreach_add_(delta_sum, delta)
                 else:
                     messages.append(codec.encode(delta, replica.error_feedback))
+                if self.probe is not None:
+                    self.probe.observe(delta)
                 del delta
                 self._deactivate(replica)
         self.unsynced[fragment] = False
@@ -542,6 +568,7 @@ class Trainer:
         cosine = None
         if unit_sum is not None and healthy > 1:
             cosine = (global_norm(unit_sum) ** 2 - healthy) / (healthy * (healthy - 1))
+        alignment = self.probe.stats(global_params) if self.probe is not None else {}
         sync = InFlightSync(
             fragment=fragment,
             started_step=self.step,
@@ -557,6 +584,7 @@ class Trainer:
                 "pseudograd_cosine": cosine,
                 "payload_bytes": payload_bytes,
                 "bits_per_param": round(8 * payload_bytes / numel, 4) if payload_bytes else None,
+                "alignment": alignment,
             },
         )
         self.round_losses = []
@@ -623,6 +651,8 @@ class Trainer:
                 replica.merge_global(self.outer.params, indices, alpha)
         if alpha > 0:
             self.unsynced[sync.fragment] = True  # the replicas keep part of their own drift
+        if self.probe is not None:
+            self.probe.replica.load_global(self.outer.params)
 
         stats = sync.stats
         train_loss, pseudograd_norm = self._means_over_processes(
@@ -641,6 +671,7 @@ class Trainer:
             replicas_left_out=left_out,
             payload_bytes=stats["payload_bytes"],
             bits_per_param=stats["bits_per_param"],
+            **stats["alignment"],
             **streaming,
             **swarm,
         )

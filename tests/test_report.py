@@ -125,8 +125,15 @@ def test_baseline_needs_the_same_optimizer_tokens_and_settings(tmp_path):
     fake_run(tmp_path, "muon", ["inner.optimizer=muon"], 2.1)
     fake_run(tmp_path, "adamw", ["inner.optimizer=adamw", "sync.every=60"], 2.1)
     runs = {r.name: r for r in load_runs(tmp_path)}
-    assert find_baseline(runs["muon"], list(runs.values())) is None
     assert find_baseline(runs["adamw"], list(runs.values())).name == "dp_adamw"
+    # No DP run at Muon's lr: the tuned baseline, the best DP run that differs only in its lrs.
+    assert find_baseline(runs["muon"], list(runs.values())).name == "dp_muon_lr"
+    fake_run(tmp_path, "dp_muon_lr_best", ["method=dp", "inner.optimizer=muon", "inner.lr=0.03"], 1.9)
+    runs = {r.name: r for r in load_runs(tmp_path)}
+    assert find_baseline(runs["muon"], list(runs.values())).name == "dp_muon_lr_best"
+    fake_run(tmp_path, "dp_muon", ["method=dp", "inner.optimizer=muon"], 2.05)  # the same lr wins
+    runs = {r.name: r for r in load_runs(tmp_path)}
+    assert find_baseline(runs["muon"], list(runs.values())).name == "dp_muon"
 
 
 def test_report_cli_on_an_empty_directory_exits_2(tmp_path, capsys):

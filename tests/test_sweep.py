@@ -126,6 +126,10 @@ def test_values_mean_what_they_mean_in_a_config_file(tmp_path):
         ({"grid": {"workers": []}}, "grid.workers must be a non-empty list"),
         ({"grid": {"workers": [1, 1]}}, "lists a value twice"),
         (
+            {"grid": {"workers": [1, 1], "sync.every": [5, 5]}, "zip": [["workers", "sync.every"]]},
+            "same row twice",
+        ),
+        (
             {"grid": {"workers": [1, 2], "sync.every": [10]}, "zip": [["workers", "sync.every"]]},
             "same length",
         ),
@@ -146,6 +150,14 @@ def test_malformed_sweep_files_are_clear_errors(tmp_path, body, needle):
     with pytest.raises(ConfigError) as info:
         parse_sweep(body, tmp_path / "s.yaml")
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_zipped_rows_may_repeat_a_value_each_method_at_its_own_lr(tmp_path):
+    grid = {"inner.optimizer": ["adamw", "adamw", "muon"], "inner.lr": [0.003, 0.006, 0.02]}
+    spec = parse_sweep({"base": str(QUICKSTART), "grid": grid, "zip": [list(grid)]}, tmp_path / "s.yaml")
+    runs = expand_grid(spec.grid, spec.zip_groups)
+    assert [(r["inner.optimizer"], r["inner.lr"]) for r in runs] == list(zip(*grid.values(), strict=True))
+    assert len(set(run_names(runs))) == 3
 
 
 def test_every_run_is_validated_before_anything_runs(tmp_path):

@@ -24,6 +24,7 @@ class GPTConfig:
     n_heads: int = 4
     mlp_ratio: int = 4
     norm: str = "rmsnorm"
+    qkv: str = "fused"  # fused: one (3C, C) matrix; split: three (C, C) ones, as Llama's wq, wk, wv
 
 
 def _norm(kind: str, dim: int) -> nn.Module:
@@ -34,12 +35,20 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        # Muon orthogonalizes each matrix as a whole: fused, Q, K and V share one set of singular
+        # directions and one spectral lr scale sqrt(3C / C); split, each is its own (C, C) matrix.
+        if cfg.qkv == "split":
+            self.q, self.k, self.v = (nn.Linear(cfg.d_model, cfg.d_model, bias=False) for _ in range(3))
+        else:
+            self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).split(C, dim=2)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
         q, k, v = (
             t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v)
         )  # (B, nh, T, hs)
@@ -128,5 +137,6 @@ def build_model(model_cfg, vocab_size: int) -> GPT:
             n_heads=model_cfg.n_heads,
             mlp_ratio=model_cfg.mlp_ratio,
             norm=model_cfg.norm,
+            qkv=model_cfg.qkv,
         )
     )

@@ -6,7 +6,8 @@ from muloco.models import GPT, GPTConfig, ParamRole, build_model, infer_param_ro
 
 
 @pytest.mark.parametrize(
-    "preset, low, high", [("nano", 0.7e6, 1.3e6), ("micro", 2.5e6, 4e6), ("small", 8e6, 13e6)]
+    "preset, low, high",
+    [("pico", 1.5e5, 3e5), ("nano", 0.7e6, 1.3e6), ("micro", 2.5e6, 4e6), ("small", 8e6, 13e6)],
 )
 def test_presets_have_their_advertised_sizes(preset, low, high):
     model = build_model(ModelConfig(preset=preset), vocab_size=256)
@@ -44,3 +45,21 @@ def test_roles_hook_matches_inference_and_keeps_embeddings_head_norms_off_matric
 def test_layernorm_option_builds():
     model = build_model(ModelConfig(preset="nano", norm="layernorm"), 256)
     assert isinstance(model.final_norm, torch.nn.LayerNorm)
+
+
+def test_split_qkv_computes_what_the_fused_matrix_does():
+    torch.manual_seed(0)
+    fused = GPT(GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_layers=2, n_heads=2))
+    split = GPT(GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_layers=2, n_heads=2, qkv="split"))
+    state = {}
+    for name, p in fused.state_dict().items():
+        if name.endswith("attn.qkv.weight"):  # (3C, C) rows: q, then k, then v
+            for part, rows in zip("qkv", p.chunk(3), strict=True):
+                state[name.replace("qkv", part)] = rows
+        else:
+            state[name] = p
+    split.load_state_dict(state)
+    x = torch.randint(0, 256, (2, 16))
+    assert torch.allclose(fused(x), split(x), atol=1e-5)
+    matrices = [n for n, r in param_roles(split).items() if r is ParamRole.MATRIX]
+    assert len(matrices) == 6 * 2  # q, k, v, proj, fc, proj per block: each its own Muon matrix

@@ -1,0 +1,342 @@
+"""The pico-regime study's tables (docs/results.md) from the finished sweeps under runs/sweeps/pico_*.
+
+Run the sweeps first (each `muloco sweep configs/sweeps/<name>.yaml --jobs 2`, see docs/results.md), then
+
+    python experiments/paper_check/pico_tables.py                # every table, markdown
+    python experiments/paper_check/pico_tables.py --json out.json
+
+Every comparison is at equal tokens, each method at its own tuned lr: a DiLoCo/MuLoCo row uses the lr
+that was best at its K (pico_tune, pico_tune_workers; seed 0), a DP baseline the lr best for DP, and
+"gap" is (loss / DP loss - 1) x 100 with both averaged over the seeds that ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from muloco.metrics import read_jsonl
+from muloco.report import RunRecord, load_runs
+
+ROOT = Path("runs/sweeps")
+OPTIMIZERS = {"adamw": "DiLoCo (AdamW)", "muon": "MuLoCo (Muon)"}
+
+
+def load(root: Path) -> dict[str, list[RunRecord]]:
+    return {d.name: [r for r in load_runs(d) if r.completed] for d in sorted(root.glob("pico_*"))}
+
+
+def lr(run: RunRecord) -> float:
+    return run.config["inner.adamw.lr" if run.group == "adamw" else "inner.lr"]
+
+
+def select(runs: list[RunRecord], **where: Any) -> list[RunRecord]:
+    """Runs whose flattened config has every key = value (dots written as __ in the keyword)."""
+    return [r for r in runs if all(r.config.get(k.replace("__", ".")) == v for k, v in where.items())]
+
+
+def best(runs: list[RunRecord]) -> RunRecord | None:
+    return min(runs, key=lambda r: r.loss) if runs else None
+
+
+def mean_loss(runs: list[RunRecord]) -> float | None:
+    return statistics.mean(r.loss for r in runs) if runs else None
+
+
+def gap(loss: float | None, dp: float | None) -> str:
+    return "-" if loss is None or dp is None else f"{(loss / dp - 1) * 100:+.2f}%"
+
+
+def fmt(x: float | None, digits: int = 4) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join([*lines, *("| " + " | ".join(map(str, row)) + " |" for row in rows)])
+
+
+# --- the tables ------------------------------------------------------------------------------------
+
+
+def tuning(sweeps: dict[str, list[RunRecord]]) -> str:
+    runs = [r for name in ("pico_tune", "pico_tune_outer", "pico_tune_workers") for r in sweeps.get(name, [])]
+    rows = []
+    for r in sorted(
+        runs, key=lambda r: (r.group, r.is_dp, r.config["workers"], lr(r), r.config["outer.momentum"])
+    ):
+        method = "DP" if r.is_dp else f"K={r.config['workers']}"
+        momentum = "-" if r.is_dp else r.config["outer.momentum"]
+        rows.append([r.group, method, f"{lr(r):g}", momentum, fmt(r.loss)])
+    return table(["inner optimizer", "run", "inner lr", "outer momentum", "final val loss"], rows)
+
+
+def tuned(runs: list[RunRecord], optimizer: str, **where: Any) -> RunRecord | None:
+    """The best seed-0 run of `optimizer` matching `where`, over lrs and outer momenta."""
+    return best(select(runs, inner__optimizer=optimizer, run__seed=0, **where))
+
+
+def seeds_of(runs: list[RunRecord], like: RunRecord) -> list[RunRecord]:
+    """Every run (any seed) with like's settings: the same fingerprint but for run.seed."""
+    keys = [k for k in like.config if not k.startswith(("run.", "logging.", "train.threads"))]
+    # Keys one side lacks (added to the schema after it ran, at their defaults) do not count.
+    return [r for r in runs if all(r.config.get(k, like.config[k]) == like.config[k] for k in keys)]
+
+
+def workers(sweeps: dict[str, list[RunRecord]]) -> tuple[str, dict]:
+    runs = [
+        r
+        for name in ("pico_tune", "pico_tune_outer", "pico_tune_workers", "pico_seeds")
+        for r in sweeps.get(name, [])
+    ]
+    rows, data = [], {}
+    for optimizer, label in OPTIMIZERS.items():
+        dp = tuned([r for r in runs if r.is_dp], optimizer)
+        if dp is None:
+            continue
+        dp_runs = seeds_of(runs, dp)
+        for K in (1, 4, 8):
+            run = tuned([r for r in runs if not r.is_dp], optimizer, workers=K)
+            if run is None:
+                continue
+            mine = seeds_of(runs, run)
+            by_seed = {r.config["run.seed"]: r.loss for r in mine}
+            dp_by_seed = {r.config["run.seed"]: r.loss for r in dp_runs}
+            per_seed = [gap(by_seed[s], dp_by_seed[s]) for s in sorted(by_seed) if s in dp_by_seed]
+            rows.append(
+                [
+                    label,
+                    K,
+                    f"{lr(run):g}",
+                    run.config["outer.momentum"],
+                    fmt(mean_loss(mine)),
+                    f"{fmt(mean_loss(dp_runs))} (lr {lr(dp):g})",
+                    gap(mean_loss(mine), mean_loss(dp_runs)),
+                    " / ".join(per_seed),
+                    len(mine),
+                ]
+            )
+            data[f"{optimizer}_k{K}"] = {"loss": mean_loss(mine), "dp": mean_loss(dp_runs), "seeds": by_seed}
+    header = [
+        "method",
+        "K",
+        "inner lr",
+        "outer m",
+        "final loss",
+        "DP (tuned)",
+        "gap",
+        "gap per seed",
+        "seeds",
+    ]
+    return table(header, rows), data
+
+
+def paired(runs: list[RunRecord], axis: str, label: str, scale=lambda v: v) -> str:
+    """For each value of `axis`: DiLoCo/MuLoCo vs the DP run of the same optimizer at that value."""
+    rows = []
+    for value in sorted({r.config[axis] for r in runs}):
+        at = select(runs, **{axis.replace(".", "__"): value})
+        row = [scale(value)]
+        for optimizer in OPTIMIZERS:
+            mine = [r for r in at if r.group == optimizer and not r.is_dp]
+            dp = [r for r in at if r.group == optimizer and r.is_dp]
+            outer = mine[0].summary.get("outer_steps") if mine else None
+            row += [fmt(mean_loss(mine)), fmt(mean_loss(dp)), gap(mean_loss(mine), mean_loss(dp))]
+        row.append(outer if outer is not None else "-")
+        rows.append(row)
+    header = [label, "DiLoCo", "DP AdamW", "gap", "MuLoCo", "DP Muon", "gap", "outer steps"]
+    return table(header, rows)
+
+
+def gap_points(
+    runs: list[RunRecord], axis: str, x=lambda run: run.config
+) -> dict[str, list[tuple[float, float]]]:
+    """label -> [(x, gap %)] for a plot: each value of `axis`, DiLoCo/MuLoCo against its DP run there."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for value in sorted({r.config[axis] for r in runs}):
+        at = select(runs, **{axis.replace(".", "__"): value})
+        for optimizer, label in OPTIMIZERS.items():
+            mine = [r for r in at if r.group == optimizer and not r.is_dp]
+            dp = [r for r in at if r.group == optimizer and r.is_dp]
+            if mine and dp:
+                points.setdefault(label, []).append((x(mine[0]), (mean_loss(mine) / mean_loss(dp) - 1) * 100))
+    return points
+
+
+def plot_gaps(sweeps: dict[str, list[RunRecord]], workers_data: dict, directory: Path) -> list[Path]:
+    from muloco import plots
+
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    outer = gap_points(
+        sweeps.get("pico_outer_steps", []), "train.total_tokens", lambda r: r.summary["outer_steps"]
+    )
+    batch_runs = sweeps.get("pico_worker_batch", []) + [
+        r for r in sweeps.get("pico_outer_steps", []) if r.config["train.total_tokens"] == 3072000
+    ]
+    batch = gap_points(batch_runs, "train.batch_tokens", lambda r: r.config["train.batch_tokens"] // 64 // 4)
+    by_k: dict[str, list[tuple[float, float]]] = {}
+    for key, row in workers_data.items():
+        optimizer, k = key.split("_k")
+        by_k.setdefault(OPTIMIZERS[optimizer], []).append((int(k), (row["loss"] / row["dp"] - 1) * 100))
+    for name, series, xlabel in (
+        ("pico_gap_vs_outer_steps.png", outer, "outer steps (K = 4, H = 15, 8 sequences per worker)"),
+        ("pico_gap_vs_worker_batch.png", batch, "sequences per worker (K = 4, 3.1M tokens)"),
+        ("pico_gap_vs_workers.png", by_k, "K (workers), each at its tuned lr"),
+    ):
+        if any(len(points) > 1 for points in series.values()):
+            path = directory / name
+            plots.series_plot(
+                series,
+                path,
+                xlabel=xlabel,
+                ylabel="% over own DP baseline (final val loss)",
+                title="pico regime: gap to data-parallel training",
+                log2_x=True,
+                references={"DP": (0.0, "black")},
+            )
+            written.append(path)
+    return written
+
+
+def muon_settings(sweeps: dict[str, list[RunRecord]]) -> str:
+    runs = sweeps.get("pico_muon_settings", []) + [
+        r for r in sweeps.get("pico_tune", []) if r.group == "muon" and r.config["inner.lr"] == 0.02
+    ]
+    variants = {}
+    for r in runs:
+        c = r.config
+        key = (
+            c["inner.nesterov"],
+            c["inner.ns_coefficients"],
+            c["inner.weight_decay"],
+            c.get("model.qkv", "fused"),
+        )
+        variants.setdefault(key, {})["dp" if r.is_dp else "k4"] = r.loss
+    rows = []
+    for (nesterov, coefficients, wd, qkv), losses in sorted(variants.items(), key=lambda kv: str(kv[0])):
+        rows.append(
+            [
+                f"nesterov={str(nesterov).lower()}, ns={coefficients}, wd={wd:g}, qkv={qkv}",
+                fmt(losses.get("k4")),
+                fmt(losses.get("dp")),
+                gap(losses.get("k4"), losses.get("dp")),
+            ]
+        )
+    return table(["Muon settings", "MuLoCo K=4", "DP Muon", "gap"], rows)
+
+
+def compression(sweeps: dict[str, list[RunRecord]]) -> str:
+    fp32 = [
+        r
+        for name in ("pico_tune", "pico_seeds")
+        for r in sweeps.get(name, [])
+        if not r.is_dp
+        and r.config["workers"] == 4
+        and r.config["outer.momentum"] == 0.6
+        and lr(r) == (0.003 if r.group == "adamw" else 0.02)
+    ]
+    runs = sweeps.get("pico_compression", []) + fp32
+    rows = []
+    for optimizer, label in OPTIMIZERS.items():
+        mine = [r for r in runs if r.group == optimizer]
+        base = {r.config["run.seed"]: r.loss for r in mine if r.config["compression.scheme"] == "none"}
+        for scheme, bits, ef in (
+            ("none", 32, False),
+            ("statistical", 4, False),
+            ("statistical", 2, False),
+            ("statistical", 2, True),
+        ):
+            these = [
+                r
+                for r in mine
+                if r.config["compression.scheme"] == scheme
+                and (
+                    scheme == "none"
+                    or (r.config["compression.bits"] == bits and r.config["compression.error_feedback"] == ef)
+                )
+            ]
+            by_seed = {r.config["run.seed"]: r.loss for r in these}
+            diffs = [f"{(by_seed[s] / base[s] - 1) * 100:+.2f}%" for s in sorted(by_seed) if s in base]
+            name = "fp32" if scheme == "none" else f"{bits}-bit{' + EF' if ef else ''}"
+            rows.append(
+                [label, name, " / ".join(fmt(by_seed[s]) for s in sorted(by_seed)), " / ".join(diffs)]
+            )
+    return table(["method", "pseudogradient", "final loss (seed 0 / 1)", "vs fp32 (seed 0 / 1)"], rows)
+
+
+ALIGNMENT_FIELDS = (
+    "pseudograd_cosine",
+    "cos_to_union",
+    "mean_cos_to_union",
+    "norm_retention",
+    "top_sv_retention",
+    "erank_workers",
+    "erank_mean",
+)
+
+
+def alignment(sweeps: dict[str, list[RunRecord]]) -> str:
+    rows = []
+    for r in sorted(sweeps.get("pico_alignment", []), key=lambda r: (r.group, r.config["workers"])):
+        syncs = [s for s in read_jsonl(r.path / "metrics.jsonl") if s.get("kind") == "sync"]
+        later = syncs[len(syncs) // 2 :]  # the second half of the run: past the first rounds' transient
+        values = [statistics.mean(s[f] for s in later if s.get(f) is not None) for f in ALIGNMENT_FIELDS]
+        rows.append([r.group, r.config["workers"], *(f"{v:.3f}" for v in values), fmt(r.loss)])
+    header = [
+        "inner",
+        "K",
+        "pairwise cos",
+        "cos to union",
+        "mean's cos to union",
+        "norm kept",
+        "sigma_1 kept",
+        "erank workers",
+        "erank mean",
+        "loss",
+    ]
+    return table(header, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=ROOT)
+    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    parser.add_argument("--plots", type=Path, help="write the gap plots (PNG) into this directory")
+    args = parser.parse_args()
+    sweeps = load(args.root)
+    workers_table, workers_data = workers(sweeps)
+    sections = {
+        "Tuning (seed 0)": tuning(sweeps),
+        "Gap to DP vs K (each at its tuned lr)": workers_table,
+        "Gap vs outer steps (K = 4, H = 15)": paired(
+            sweeps.get("pico_outer_steps", []), "train.total_tokens", "tokens", lambda v: f"{v / 1e6:g}M"
+        ),
+        "Gap vs per-worker batch at 3.1M tokens (K = 4)": paired(
+            sweeps.get("pico_worker_batch", [])
+            + [r for r in sweeps.get("pico_outer_steps", []) if r.config["train.total_tokens"] == 3072000],
+            "train.batch_tokens",
+            "sequences per worker",
+            lambda v: v // 64 // 4,
+        ),
+        "K = 1 vs DP across global batch (3.1M tokens)": paired(
+            sweeps.get("pico_k1_batch", []), "train.batch_tokens", "global sequences", lambda v: v // 64
+        ),
+        "Muon settings (K = 4 and DP, lr 0.02)": muon_settings(sweeps),
+        "Compression (K = 4, H = 15, 100 outer steps)": compression(sweeps),
+        "Alignment (mean over the second half of the syncs, 50 outer steps)": alignment(sweeps),
+    }
+    for title, text in sections.items():
+        print(f"### {title}\n\n{text}\n")
+    if args.plots:
+        for path in plot_gaps(sweeps, workers_data, args.plots):
+            print(f"wrote {path}")
+    if args.json:
+        args.json.write_text(json.dumps({"tables": sections, "workers": workers_data}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
