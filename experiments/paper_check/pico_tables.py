@@ -26,7 +26,8 @@ OPTIMIZERS = {"adamw": "DiLoCo (AdamW)", "muon": "MuLoCo (Muon)"}
 
 
 def load(root: Path) -> dict[str, list[RunRecord]]:
-    return {d.name: [r for r in load_runs(d) if r.completed] for d in sorted(root.glob("pico_*"))}
+    dirs = [*root.glob("pico_*"), root / "quickstart_retune"]
+    return {d.name: [r for r in load_runs(d) if r.completed] for d in sorted(dirs) if d.is_dir()}
 
 
 def lr(run: RunRecord) -> float:
@@ -63,15 +64,38 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def tuning(sweeps: dict[str, list[RunRecord]]) -> str:
+    """Final loss by inner lr (outer momentum 0.6), a row per optimizer and K; then the outer momenta."""
     runs = [r for name in ("pico_tune", "pico_tune_outer", "pico_tune_workers") for r in sweeps.get(name, [])]
+    runs = [r for r in runs if r.config["run.seed"] == 0]
+    parts = []
+    for optimizer, label in OPTIMIZERS.items():
+        mine = [r for r in runs if r.group == optimizer and (r.is_dp or r.config["outer.momentum"] == 0.6)]
+        lrs = sorted({lr(r) for r in mine})
+        rows = []
+        for K in ("DP", 1, 4, 8):
+            at = [r for r in mine if (r.is_dp if K == "DP" else not r.is_dp and r.config["workers"] == K)]
+            if not at:
+                continue
+            winner = best(at)
+            cells = []
+            for value in lrs:
+                hit = [r for r in at if lr(r) == value]
+                text = fmt(hit[0].loss) if hit else ""
+                cells.append(f"**{text}**" if hit and hit[0] is winner else text)
+            rows.append([K if K == "DP" else f"K = {K}", *cells])
+        parts.append(table([f"{label}: inner lr", *(f"{v:g}" for v in lrs)], rows))
+    momenta = sorted({r.config["outer.momentum"] for r in runs if not r.is_dp and r.config["workers"] == 4})
     rows = []
-    for r in sorted(
-        runs, key=lambda r: (r.group, r.is_dp, r.config["workers"], lr(r), r.config["outer.momentum"])
-    ):
-        method = "DP" if r.is_dp else f"K={r.config['workers']}"
-        momentum = "-" if r.is_dp else r.config["outer.momentum"]
-        rows.append([r.group, method, f"{lr(r):g}", momentum, fmt(r.loss)])
-    return table(["inner optimizer", "run", "inner lr", "outer momentum", "final val loss"], rows)
+    for optimizer, label in OPTIMIZERS.items():
+        at = [r for r in runs if r.group == optimizer and not r.is_dp and r.config["workers"] == 4]
+        tuned_lr = lr(best(at)) if at else None
+        cells = []
+        for m in momenta:
+            hit = [r for r in at if r.config["outer.momentum"] == m and lr(r) == tuned_lr]
+            cells.append(fmt(hit[0].loss) if hit else "")
+        rows.append([f"{label}, K = 4, lr {tuned_lr:g}", *cells])
+    parts.append(table(["outer momentum (outer lr 0.7)", *(f"{m:g}" for m in momenta)], rows))
+    return "\n\n".join(parts)
 
 
 def tuned(runs: list[RunRecord], optimizer: str, **where: Any) -> RunRecord | None:
@@ -81,7 +105,16 @@ def tuned(runs: list[RunRecord], optimizer: str, **where: Any) -> RunRecord | No
 
 def seeds_of(runs: list[RunRecord], like: RunRecord) -> list[RunRecord]:
     """Every run (any seed) with like's settings: the same fingerprint but for run.seed."""
-    keys = [k for k in like.config if not k.startswith(("run.", "logging.", "train.threads"))]
+    ignored = ["run.", "logging.", "train.threads"]
+    if like.group == "adamw":  # Muon's settings do not touch an AdamW run
+        ignored += [
+            k
+            for k in like.config
+            if k.startswith("inner.") and not k.startswith(("inner.adamw.", "inner.optimizer"))
+        ]
+    if like.is_dp:
+        ignored += ["sync.", "outer.", "compression."]
+    keys = [k for k in like.config if not k.startswith(tuple(ignored))]
     # Keys one side lacks (added to the schema after it ran, at their defaults) do not count.
     return [r for r in runs if all(r.config.get(k, like.config[k]) == like.config[k] for k in keys)]
 
@@ -105,21 +138,28 @@ def workers(sweeps: dict[str, list[RunRecord]]) -> tuple[str, dict]:
             mine = seeds_of(runs, run)
             by_seed = {r.config["run.seed"]: r.loss for r in mine}
             dp_by_seed = {r.config["run.seed"]: r.loss for r in dp_runs}
-            per_seed = [gap(by_seed[s], dp_by_seed[s]) for s in sorted(by_seed) if s in dp_by_seed]
+            common = sorted(set(by_seed) & set(dp_by_seed))  # paired seeds only
+            loss = statistics.mean(by_seed[s] for s in common)
+            dp_loss = statistics.mean(dp_by_seed[s] for s in common)
+            per_seed = [gap(by_seed[s], dp_by_seed[s]) for s in common]
             rows.append(
                 [
                     label,
                     K,
                     f"{lr(run):g}",
                     run.config["outer.momentum"],
-                    fmt(mean_loss(mine)),
-                    f"{fmt(mean_loss(dp_runs))} (lr {lr(dp):g})",
-                    gap(mean_loss(mine), mean_loss(dp_runs)),
+                    fmt(loss),
+                    f"{fmt(dp_loss)} (lr {lr(dp):g})",
+                    gap(loss, dp_loss),
                     " / ".join(per_seed),
-                    len(mine),
+                    len(common),
                 ]
             )
-            data[f"{optimizer}_k{K}"] = {"loss": mean_loss(mine), "dp": mean_loss(dp_runs), "seeds": by_seed}
+            data[f"{optimizer}_k{K}"] = {
+                "loss": loss,
+                "dp": dp_loss,
+                "seeds": {s: by_seed[s] for s in common},
+            }
     header = [
         "method",
         "K",
@@ -268,6 +308,20 @@ def compression(sweeps: dict[str, list[RunRecord]]) -> str:
     return table(["method", "pseudogradient", "final loss (seed 0 / 1)", "vs fp32 (seed 0 / 1)"], rows)
 
 
+def quickstart(sweeps: dict[str, list[RunRecord]]) -> str:
+    """The quickstart regime at K = 4: each method at several lrs against its DP baseline."""
+    runs = sweeps.get("quickstart_retune", [])
+    rows = []
+    for optimizer, label in OPTIMIZERS.items():
+        dp = best([r for r in runs if r.is_dp and r.group == optimizer])
+        mine = sorted((r for r in runs if not r.is_dp and r.group == optimizer), key=lr)
+        cells = [f"{lr(r):g}: {fmt(r.loss)} ({gap(r.loss, dp.loss if dp else None)})" for r in mine]
+        rows.append(
+            [label, f"{fmt(dp.loss) if dp else '-'} (lr {lr(dp):g})" if dp else "-", " · ".join(cells)]
+        )
+    return table(["method (K = 4)", "DP baseline", "inner lr: final loss (gap)"], rows)
+
+
 ALIGNMENT_FIELDS = (
     "pseudograd_cosine",
     "cos_to_union",
@@ -327,6 +381,7 @@ def main() -> None:
         ),
         "Muon settings (K = 4 and DP, lr 0.02)": muon_settings(sweeps),
         "Compression (K = 4, H = 15, 100 outer steps)": compression(sweeps),
+        "Quickstart regime (nano, 10 outer steps), K = 4 at several lrs": quickstart(sweeps),
         "Alignment (mean over the second half of the syncs, 50 outer steps)": alignment(sweeps),
     }
     for title, text in sections.items():
