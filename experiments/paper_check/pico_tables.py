@@ -382,7 +382,7 @@ def main() -> None:
         "Muon settings (K = 4 and DP, lr 0.02)": muon_settings(sweeps),
         "Compression (K = 4, H = 15, 100 outer steps)": compression(sweeps),
         "Quickstart regime (nano, 10 outer steps), K = 4 at several lrs": quickstart(sweeps),
-        "Alignment (mean over the second half of the syncs, 50 outer steps)": alignment(sweeps),
+        "Alignment (mean over the second half of the syncs, 30 outer steps)": alignment(sweeps),
     }
     for title, text in sections.items():
         print(f"### {title}\n\n{text}\n")

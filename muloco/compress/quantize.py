@@ -188,7 +188,11 @@ def _affine_params(
         )
     step = round_up_bf16(step_f32.abs())  # (rows,) bf16; abs: no -0.0
     s = step.float()
-    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    # A step in fp32's subnormal range (a row of values ~1e-38, e.g. an error-feedback residual decayed
+    # that far) has no finite 1/s: treat it as a zero step, so the row decodes to its offset (within
+    # 1e-38 of every value) instead of turning u, and the statistical lookup table, into inf/NaN.
+    inv = 1.0 / s
+    inv = torch.where((s > 0) & torch.isfinite(inv), inv, torch.zeros_like(s))
     if kind == "absmax":
         shift = torch.full_like(s, 1.0 if bits == 1 else 2 ** (bits - 1) - 1 + 0.5)
         return step, inv, shift, None
@@ -199,7 +203,7 @@ def _affine_params(
     # statistical: offset = mean - step * 2**(bits-1), so that u = (x - offset) / step lies in [0, 2**bits)
     # for x within +-r std; a zero-std row decodes to its mean whatever the table holds.
     off = (offset - s.double() * 2 ** (bits - 1)).float()
-    shift = torch.where(s > 0, -off * inv, torch.full_like(s, 2 ** (bits - 1) + 0.5))
+    shift = torch.where(inv > 0, -off * inv, torch.full_like(s, 2 ** (bits - 1) + 0.5))
     if not bool(torch.isfinite(off).all()):
         raise CompressionError(
             "values too large to quantize (the mean overflows fp32); scale the tensor down"
