@@ -322,6 +322,21 @@ def quickstart(sweeps: dict[str, list[RunRecord]]) -> str:
     return table(["method (K = 4)", "DP baseline", "inner lr: final loss (gap)"], rows)
 
 
+def size(sweeps: dict[str, list[RunRecord]]) -> str:
+    """The nano model at K = 4: every lr that ran, and the tuned gap (best run vs best DP run)."""
+    runs = sweeps.get("pico_size", [])
+    rows = []
+    for optimizer, label in OPTIMIZERS.items():
+        mine = [r for r in runs if r.group == optimizer and not r.is_dp]
+        dp = [r for r in runs if r.group == optimizer and r.is_dp]
+        if not mine or not dp:
+            continue
+        ran = " · ".join(f"{lr(r):g}: {fmt(r.loss)}" for r in sorted(mine, key=lr))
+        dp_ran = " · ".join(f"{lr(r):g}: {fmt(r.loss)}" for r in sorted(dp, key=lr))
+        rows.append([label, ran, dp_ran, gap(best(mine).loss, best(dp).loss)])
+    return table(["method (nano, K = 4)", "K = 4, lr: loss", "DP, lr: loss", "gap (best vs best)"], rows)
+
+
 ALIGNMENT_FIELDS = (
     "pseudograd_cosine",
     "cos_to_union",
@@ -381,6 +396,7 @@ def main() -> None:
         ),
         "Muon settings (K = 4 and DP, lr 0.02)": muon_settings(sweeps),
         "Compression (K = 4, H = 15, 100 outer steps)": compression(sweeps),
+        "A larger model (nano, K = 4, 100 outer steps)": size(sweeps),
         "Quickstart regime (nano, 10 outer steps), K = 4 at several lrs": quickstart(sweeps),
         "Alignment (mean over the second half of the syncs, 30 outer steps)": alignment(sweeps),
     }
