@@ -29,16 +29,14 @@ import torch
 from torch import Tensor
 
 
+def flat_norm(tensors: list[Tensor]) -> float:
+    return math.sqrt(sum(float(t.pow(2).sum()) for t in tensors))
+
+
 def flat_cosine(a: list[Tensor], b: list[Tensor]) -> float:
     """Cosine of two parameter lists read as one vector each."""
     dot = sum(float((x * y).sum()) for x, y in zip(a, b, strict=True))
-    norm_a = math.sqrt(sum(float(x.pow(2).sum()) for x in a))
-    norm_b = math.sqrt(sum(float(y.pow(2).sum()) for y in b))
-    return dot / max(norm_a * norm_b, 1e-30)
-
-
-def flat_norm(tensors: list[Tensor]) -> float:
-    return math.sqrt(sum(float(t.pow(2).sum()) for t in tensors))
+    return dot / max(flat_norm(a) * flat_norm(b), 1e-30)
 
 
 def effective_rank(singular_values: Tensor) -> float:
@@ -98,6 +96,23 @@ class AlignmentProbe:
         self.replica = replica  # a Replica whose stream is a UnionStream
         self.matrices = matrices  # parameter indices of the hidden matrices (Muon's side)
         self.deltas: list[list[Tensor]] = []
+
+    def train_until(
+        self, end: int, lr_multiplier, micro_batches: int, seqs_per_micro: int, grad_clip: float, autocast
+    ) -> None:
+        """The workers' inner steps up to `end`, on the union of their batches (lr_multiplier(step))."""
+        replica = self.replica
+        while replica.inner_steps < end:
+            multiplier = lr_multiplier(replica.inner_steps)
+            replica.train_step(micro_batches, seqs_per_micro, multiplier, grad_clip, autocast)
+            replica.inner_steps += 1
+
+    def restart_from(self, global_params: list[Tensor], position: int | None = None) -> None:
+        """Start the next round from the global parameters (and, on resume, at the workers' stream
+        position)."""
+        self.replica.load_global(global_params)
+        if position is not None:
+            self.replica.stream.seek(position)
 
     def observe(self, delta: list[Tensor]) -> None:
         """One worker's pseudogradient of this sync (kept until `stats`)."""

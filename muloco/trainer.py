@@ -152,8 +152,7 @@ class Trainer:
         self.resumed_from: Path | None = None
         self._resume()
         if self.probe is not None:
-            self.probe.replica.load_global(self.outer.params)
-            self.probe.replica.stream.seek(self.replicas[0].stream.position)
+            self.probe.restart_from(self.outer.params, self.replicas[0].stream.position)
         if self.swarm is not None:
             self._join_swarm()
         if self.is_main:
@@ -477,13 +476,14 @@ class Trainer:
         if any(replica.inner_steps < end for replica in self.replicas):
             return  # interrupted: the loop writes a checkpoint
         if self.probe is not None:  # diagnostics: the same steps on the union of the workers' batches
-            probe = self.probe.replica
-            while probe.inner_steps < end:
-                multiplier = self._lr_multiplier(probe.inner_steps)
-                probe.train_step(
-                    self.micro_batches, self.seqs_per_micro, multiplier, cfg.train.grad_clip, self.autocast
-                )
-                probe.inner_steps += 1
+            self.probe.train_until(
+                end,
+                self._lr_multiplier,
+                self.micro_batches,
+                self.seqs_per_micro,
+                cfg.train.grad_clip,
+                self.autocast,
+            )
         self.step = end
         self.unsynced = [True] * len(self.fragments)
 
@@ -652,7 +652,7 @@ class Trainer:
         if alpha > 0:
             self.unsynced[sync.fragment] = True  # the replicas keep part of their own drift
         if self.probe is not None:
-            self.probe.replica.load_global(self.outer.params)
+            self.probe.restart_from(self.outer.params)
 
         stats = sync.stats
         train_loss, pseudograd_norm = self._means_over_processes(
