@@ -20,6 +20,7 @@ from typing import Any
 
 from muloco.metrics import read_jsonl
 from muloco.report import RunRecord, load_runs
+from muloco.report import own_lr as lr  # the run's inner optimizer's own lr
 
 ROOT = Path("runs/sweeps")
 OPTIMIZERS = {"adamw": "DiLoCo (AdamW)", "muon": "MuLoCo (Muon)"}
@@ -28,10 +29,6 @@ OPTIMIZERS = {"adamw": "DiLoCo (AdamW)", "muon": "MuLoCo (Muon)"}
 def load(root: Path) -> dict[str, list[RunRecord]]:
     dirs = [*root.glob("pico_*"), root / "quickstart_retune"]
     return {d.name: [r for r in load_runs(d) if r.completed] for d in sorted(dirs) if d.is_dir()}
-
-
-def lr(run: RunRecord) -> float:
-    return run.config["inner.adamw.lr" if run.group == "adamw" else "inner.lr"]
 
 
 def select(runs: list[RunRecord], **where: Any) -> list[RunRecord]:
