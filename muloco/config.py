@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from muloco.compress.bits import QUANT_BITS, TOPK_VALUE_BITS, one_of
 from muloco.errors import ConfigError
 
 
@@ -299,15 +300,15 @@ class CompressionConfig(Section):
     @field_validator("bits")
     @classmethod
     def _supported_bits(cls, bits: int) -> int:
-        if bits not in (1, 2, 4, 8):
-            raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
+        if bits not in QUANT_BITS:
+            raise ValueError(f"bits must be {one_of(QUANT_BITS)}, got {bits}")
         return bits
 
     @field_validator("topk_value_bits")
     @classmethod
     def _supported_value_bits(cls, bits: int) -> int:
-        if bits not in (8, 16, 32):
-            raise ValueError(f"topk_value_bits must be 8, 16 or 32, got {bits}")
+        if bits not in TOPK_VALUE_BITS:
+            raise ValueError(f"topk_value_bits must be {one_of(TOPK_VALUE_BITS)}, got {bits}")
         return bits
 
 

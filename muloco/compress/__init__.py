@@ -1,14 +1,21 @@
 """Compression of pseudogradients: quantizers, top-k, error feedback, and a validated wire format.
 
 Map of the package (arrows point down only):
-    compressors.py     Compressor classes (none, bf16, linear, statistical, topk), get_compressor,
-                       get_compressor_from_config, decode(any payload)
+    factory.py         get_compressor, get_compressor_from_config, decode(any payload); imports every scheme
+      -> plain.py      schemes none (fp32, exact) and bf16
+      -> linear.py     scheme linear (absmax / minmax)          } both GroupQuantizers (group.py):
+      -> statistical.py scheme statistical (centroid table)     } quantize.py's codes + per-group stats
+      -> topk.py       scheme topk: pure top-k functions (selection, delta-coded indices) and TopK
     error_feedback.py  ErrorFeedback: per-replica residuals, e = decay * e + delta; e -= alpha * deQ(Q(e))
+    base.py            Compressor (encode / decode_sections), register_scheme, scheme_class, shared helpers
       -> quantize.py   pure functions: group statistics, codes, lookup tables, dequantization
-      -> topk.py       pure functions: top-k selection, delta-coded indices
       -> packing.py    pure functions: dense bit packing of 1/2/4/8-bit codes and n-bit integers
       -> wire.py       header layout, body sections, CRC32; `parse` validates everything before decoding
       -> errors.py     CompressionError (a ValueError)
+      -> bits.py       QUANT_BITS, TOPK_VALUE_BITS: the allowed widths (also checked by muloco.config)
+
+A new scheme: a Compressor subclass with `@register_scheme` (its name needs a wire code in wire.SCHEMES),
+imported by factory.py. Names are loaded lazily, so `muloco.config` can import bits.py without torch.
 
 Usage (docs/compression.md has the details and the wire format table):
 
@@ -18,35 +25,78 @@ Usage (docs/compression.md has the details and the wire format table):
     delta_hat = comp.decode(payload)      # fp32 CPU tensor, delta's shape; CompressionError if malformed
 """
 
-from muloco.compress.compressors import (
-    BF16Compression,
-    Compressor,
-    LinearQuantizer,
-    NoCompression,
-    StatisticalQuantizer,
-    TopK,
-    decode,
-    get_compressor,
-    get_compressor_from_config,
-)
-from muloco.compress.error_feedback import ErrorFeedback
-from muloco.compress.errors import CompressionError
-from muloco.compress.quantize import DEFAULT_STAT_RANGE
-from muloco.compress.wire import Header, read_header
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from muloco.compress.base import Compressor, register_scheme
+    from muloco.compress.bits import QUANT_BITS, TOPK_VALUE_BITS
+    from muloco.compress.error_feedback import ErrorFeedback
+    from muloco.compress.errors import CompressionError
+    from muloco.compress.factory import (
+        decode,
+        get_compressor,
+        get_compressor_from_config,
+        registered_schemes,
+    )
+    from muloco.compress.linear import LinearQuantizer
+    from muloco.compress.plain import BF16Compression, NoCompression
+    from muloco.compress.quantize import DEFAULT_STAT_RANGE
+    from muloco.compress.statistical import StatisticalQuantizer
+    from muloco.compress.topk import TopK
+    from muloco.compress.wire import Header, read_header
+
+# Public name -> the module that defines it. `registered_schemes` comes through factory, whose import
+# registers every scheme.
+_EXPORTS = {
+    "BF16Compression": "plain",
+    "CompressionError": "errors",
+    "Compressor": "base",
+    "DEFAULT_STAT_RANGE": "quantize",
+    "ErrorFeedback": "error_feedback",
+    "Header": "wire",
+    "LinearQuantizer": "linear",
+    "NoCompression": "plain",
+    "QUANT_BITS": "bits",
+    "StatisticalQuantizer": "statistical",
+    "TOPK_VALUE_BITS": "bits",
+    "TopK": "topk",
+    "decode": "factory",
+    "get_compressor": "factory",
+    "get_compressor_from_config": "factory",
+    "read_header": "wire",
+    "register_scheme": "base",
+    "registered_schemes": "factory",
+}
+
+
+def __getattr__(name: str):
+    # Lazy: importing muloco.compress.bits (muloco.config does) must not import torch.
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'muloco.compress' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"muloco.compress.{module}"), name)
+
 
 __all__ = [
-    "DEFAULT_STAT_RANGE",
     "BF16Compression",
     "CompressionError",
     "Compressor",
+    "DEFAULT_STAT_RANGE",
     "ErrorFeedback",
     "Header",
     "LinearQuantizer",
     "NoCompression",
+    "QUANT_BITS",
     "StatisticalQuantizer",
+    "TOPK_VALUE_BITS",
     "TopK",
     "decode",
     "get_compressor",
     "get_compressor_from_config",
     "read_header",
+    "register_scheme",
+    "registered_schemes",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from muloco.compress.compressors import Compressor
+from muloco.compress.base import Compressor
 
 
 class ErrorFeedback:

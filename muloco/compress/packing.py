@@ -12,7 +12,8 @@ import math
 
 import torch
 
-CODE_BITS = (1, 2, 4, 8)
+from muloco.compress.bits import QUANT_BITS
+
 MAX_UINT_WIDTH = 40  # top-k index gaps: tensors of up to 2**40 elements
 
 
@@ -23,7 +24,7 @@ def packed_nbytes(n: int, bits: int) -> int:
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack a flat uint8 tensor of codes < 2**bits into ceil(n * bits / 8) bytes."""
-    assert bits in CODE_BITS, f"{bits=}"
+    assert bits in QUANT_BITS, f"{bits=}"
     assert codes.dtype == torch.uint8 and codes.dim() == 1, f"{codes.dtype=} {codes.shape=}"
     if bits == 8:
         return codes
@@ -45,7 +46,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of `pack_codes`: the first `n` codes as a flat uint8 tensor."""
-    assert bits in CODE_BITS, f"{bits=}"
+    assert bits in QUANT_BITS, f"{bits=}"
     assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(n, bits), f"{packed.shape=} {n=}"
     if bits == 8:
         return packed.reshape(-1)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from muloco.compress.bits import QUANT_BITS, TOPK_VALUE_BITS, one_of
 from muloco.compress.errors import CompressionError
 from muloco.compress.packing import MAX_UINT_WIDTH, packed_nbytes
 from muloco.compress.quantize import GRANULARITIES, LINEAR_MODES, num_groups
@@ -198,8 +199,8 @@ def _check_fields(h: Header) -> None:
             raise _fail(f"inconsistent header fields for scheme {h.scheme}: {h}")
         return
     if h.scheme in ("linear", "statistical"):
-        if h.bits not in (1, 2, 4, 8):
-            raise _fail(f"bits {h.bits} for scheme {h.scheme} (expected 1, 2, 4 or 8)")
+        if h.bits not in QUANT_BITS:
+            raise _fail(f"bits {h.bits} for scheme {h.scheme} (expected {one_of(QUANT_BITS)})")
         if h.mode >= (len(LINEAR_MODES) if h.scheme == "linear" else 1):
             raise _fail(f"unknown mode {h.mode} for scheme {h.scheme}")
         if (h.granularity == "block") != (h.block_size > 0):
@@ -209,8 +210,8 @@ def _check_fields(h: Header) -> None:
             raise _fail(f"{h.count} groups declared, shape {h.shape} with {h.granularity} has {groups}")
         return
     # topk
-    if h.bits not in (8, 16, 32):
-        raise _fail(f"topk value bits {h.bits} (expected 8, 16 or 32)")
+    if h.bits not in TOPK_VALUE_BITS:
+        raise _fail(f"topk value bits {h.bits} (expected {one_of(TOPK_VALUE_BITS)})")
     if h.granularity != "tensor" or h.block_size:
         raise _fail(f"inconsistent header fields for topk: {h}")
     if h.count > n or (n > 0 and h.count == 0):

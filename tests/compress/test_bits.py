@@ -1,0 +1,33 @@
+"""The allowed bit widths: one definition, used by the compressors and by muloco.config."""
+
+import subprocess
+import sys
+
+import pytest
+
+from muloco.compress import QUANT_BITS, TOPK_VALUE_BITS, get_compressor
+from muloco.compress.bits import one_of
+from muloco.config import CompressionConfig
+
+
+def test_one_of():
+    assert one_of(QUANT_BITS) == "1, 2, 4 or 8"
+    assert one_of(TOPK_VALUE_BITS) == "8, 16 or 32"
+    assert one_of((3,)) == "3"
+
+
+def test_config_and_compressors_accept_the_same_widths():
+    for bits in QUANT_BITS:
+        assert get_compressor("linear", bits).bits == CompressionConfig(bits=bits).bits == bits
+    for bits in TOPK_VALUE_BITS:
+        assert get_compressor("topk", topk_value_bits=bits).value_bits == bits
+        assert CompressionConfig(topk_value_bits=bits).topk_value_bits == bits
+    with pytest.raises(ValueError, match="bits must be 1, 2, 4 or 8, got 3"):
+        CompressionConfig(bits=3)
+    with pytest.raises(ValueError, match="topk_value_bits must be 8, 16 or 32, got 4"):
+        CompressionConfig(topk_value_bits=4)
+
+
+def test_loading_the_config_schema_does_not_import_torch():
+    code = "import sys, muloco.config; assert 'torch' not in sys.modules, 'muloco.config imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
