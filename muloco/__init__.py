@@ -1,8 +1,9 @@
 """muloco: low-communication distributed training of language models (DiLoCo, MuLoCo).
 
 Map of the package (arrows point down only; see DESIGN.md):
-    cli.py -> trainer.py -> replica.py, outer.py -> comm/
-    config.py (the schema), models/, data/, optim/, metrics.py, checkpoint.py, lr_schedule.py
+    cli.py -> trainer.py (loop) -> sync/ (the engine) -> compress/, comm/ (reducers, backends)
+    diloco.py (DiLoCo, the Python API) -> sync/
+    config.py (the schema), models/, data/, optim/, replica.py, dp.py, run_state.py, checkpoint.py
 """
 
 from __future__ import annotations

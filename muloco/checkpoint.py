@@ -19,7 +19,8 @@ import torch
 from muloco.errors import CheckpointError
 
 log = logging.getLogger("muloco")
-FORMAT_VERSION = 1
+# 2: the run's components, each under its own name (engine, progress, ledger, wan, replicas, ...).
+FORMAT_VERSION = 2
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
 
 
@@ -76,10 +77,14 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             f"checkpoint {path} is corrupt or not a muloco checkpoint ({type(exc).__name__}); "
             "delete it or set checkpoint.resume=never"
         ) from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+    if not isinstance(state, dict) or "format" not in state:
         raise CheckpointError(
-            f"checkpoint {path} is not a muloco checkpoint of format {FORMAT_VERSION}; "
-            "delete it or set checkpoint.resume=never"
+            f"checkpoint {path} is not a muloco checkpoint; delete it or set checkpoint.resume=never"
+        )
+    if state["format"] != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {state['format']}, this muloco reads version "
+            f"{FORMAT_VERSION}; finish that run with the muloco that wrote it, or set checkpoint.resume=never"
         )
     return state
 

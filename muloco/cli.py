@@ -98,7 +98,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer.run_dir,
     )
     if summary["status"] == "interrupted":
-        return EXIT_INTERRUPTED.get(trainer.stop_signal, 130)
+        return EXIT_INTERRUPTED.get(trainer.stop.signal, 130)
     return 0
 
 

@@ -1,29 +1,64 @@
 """`DiLoCo`: DiLoCo/MuLoCo around a user's own model and training loop (in the spirit of
-torchft.local_sgd.DiLoCo).
+torchft.local_sgd.DiLoCo), on the same sync engine as `muloco train` (muloco/sync/).
 
     diloco = DiLoCo(model, inner_optimizer, sync_every=30)
     for x, y in data:
-        loss_fn(model(x), y).backward()
+        loss = loss_fn(model(x), y); loss.backward()
         inner_optimizer.step(); inner_optimizer.zero_grad()
-        diloco.step()          # every sync_every calls: average pseudogradients, outer Nesterov step
+        diloco.step(loss)      # at sync events: average pseudogradients, outer Nesterov step, merge
 
-Each process holds one replica; the backend averages over processes (the local backend: one process, K = 1).
-`compression` is a `muloco.compress` compressor (applied to every parameter) or a `compression:` config
-section (`muloco.config.CompressionConfig`: skip rules and error feedback as in `muloco train`).
+Each process holds one replica; the backend averages over processes (None: this process alone, K = 1), or
+over the peers of a hivemind swarm (a `HivemindBackendConfig`). Streaming DiLoCo: `fragments` (P) sync in
+turn, each applied `overlap` (tau) steps after it starts and merged with `alpha`. `compression` is a
+`muloco.compress` compressor (every parameter) or a `compression:` config section (skip rules and error
+feedback as in `muloco train`). A non-finite loss or pseudogradient leaves this replica out of a sync and
+restarts it from the global parameters. `state_dict()` holds everything needed to resume exactly: global
+parameters, outer momentum, error-feedback buffers, syncs in flight, counters.
 """
 
 from __future__ import annotations
 
+import math
+
+import pydantic
 import torch
 from torch import nn
 
-from muloco.codec import PseudogradientCodec
 from muloco.comm import Backend, LocalBackend
-from muloco.compress import Compressor, ErrorFeedback
-from muloco.config import CompressionConfig
-from muloco.models.roles import param_roles
-from muloco.outer import OuterOptimizer, pseudogradient
-from muloco.reduce import mean_compressed, mean_uncompressed
+from muloco.compress import Compressor
+from muloco.config import CompressionConfig, HivemindBackendConfig, OuterConfig, SyncConfig
+from muloco.replica import Replica
+from muloco.run_state import CommLedger, Progress
+from muloco.sync import CollectiveReducer, Reducer, SyncEngine, SyncRecord
+
+
+def _reducer_for(backend: Backend | HivemindBackendConfig | Reducer | None) -> Reducer:
+    if backend is None:
+        return CollectiveReducer.over(LocalBackend())
+    if isinstance(backend, HivemindBackendConfig):
+        from muloco.comm.hivemind.reducer import SwarmReducer
+
+        return SwarmReducer(backend)
+    if hasattr(backend, "start_mean"):
+        return backend  # a Reducer
+    if hasattr(backend, "all_reduce_sum"):
+        return CollectiveReducer.over(backend)
+    raise ValueError(
+        "backend must be None (this process alone), a muloco.comm Backend (e.g. TorchDistBackend()), a "
+        f"muloco.config.HivemindBackendConfig, or a reducer; got {type(backend).__name__}"
+    )
+
+
+def _section(cls, **values):
+    """A config section built from keyword arguments: the same checks as the YAML keys, named after the
+    argument on failure."""
+    try:
+        return cls(**values)
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(x) for x in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        raise ValueError(f"DiLoCo({where}=...): {message}" if where else f"DiLoCo: {message}") from None
 
 
 class DiLoCo:
@@ -35,78 +70,119 @@ class DiLoCo:
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
-        backend: Backend | None = None,
+        backend: Backend | HivemindBackendConfig | Reducer | None = None,
         compression: Compressor | CompressionConfig | None = None,
+        fragments: int = 1,
+        overlap: int = 0,
+        alpha: float = 0.0,
+        *,
+        total_steps: int | None = None,
+        max_bad_syncs: int = 3,
     ) -> None:
-        if sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1 (H, inner steps between syncs), got {sync_every}")
-        if outer_lr <= 0 or not 0 <= outer_momentum < 1:
+        """total_steps: when given, the step() call that reaches it syncs every fragment with unsynced
+        steps at once, as `muloco train` ends a run; max_bad_syncs: syncs in a row with this replica left
+        out (non-finite) before TrainingError."""
+        if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(
-                f"need outer_lr > 0 and 0 <= outer_momentum < 1, got {outer_lr}, {outer_momentum}"
+                f"sync_every must be an integer >= 1 (H, inner steps between syncs), got {sync_every}"
             )
-        names = [name for name, _ in model.named_parameters()]
-        self.codec: PseudogradientCodec | None = None
-        self.error_feedback: ErrorFeedback | None = None
-        if isinstance(compression, CompressionConfig):
-            if compression.scheme != "none":
-                self.codec = PseudogradientCodec.from_config(names, param_roles(model), compression)
-                if compression.error_feedback:
-                    self.error_feedback = ErrorFeedback(compression.ef_decay, compression.ef_alpha)
-        elif isinstance(compression, Compressor):
-            self.codec = PseudogradientCodec(names, [compression] * len(names))
-        elif compression is not None:
+        sync = _section(SyncConfig, every=sync_every, fragments=fragments, overlap=overlap, alpha=alpha)
+        outer = _section(OuterConfig, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+        if compression is not None and not isinstance(compression, Compressor | CompressionConfig):
             raise ValueError(
                 "compression must be a muloco.compress compressor (get_compressor(...)) or a "
                 f"CompressionConfig, got {type(compression).__name__}"
             )
-        self.model = model
-        self.inner_optimizer = inner_optimizer
-        self.sync_every = sync_every
-        self.backend = backend or LocalBackend()
+        self.model, self.inner_optimizer = model, inner_optimizer
+        reducer = _reducer_for(backend)
         params = [p.data for p in model.parameters()]
-        # Every process must call this broadcast at start so that all replicas begin identical.
-        self.backend.broadcast(params, src=0).wait()
         device = params[0].device if params else torch.device("cpu")
-        self.outer = OuterOptimizer(
-            list(model.named_parameters()), outer_lr, outer_momentum, nesterov, device
+        if isinstance(reducer, CollectiveReducer):
+            # Every process must call this broadcast at start so that all replicas begin identical.
+            reducer.topology.sync.broadcast(params, src=0).wait()
+        self.replica = Replica(getattr(backend, "rank", 0), model, inner_optimizer, None, device)
+        self.progress = Progress()
+        self.ledger = CommLedger(num_params=sum(p.numel() for p in params))
+        self.engine = SyncEngine(
+            model,
+            reducer,
+            sync=sync,
+            outer=outer,
+            compression=compression,
+            local_replicas=1,
+            max_bad_syncs=max_bad_syncs,
+            total_steps=total_steps,
+            progress=self.progress,
+            ledger=self.ledger,
         )
-        self.local_step = 0
-        self.outer_steps = 0
         self.last_update_norm: float | None = None
+        self.records: list[SyncRecord] = []  # the syncs applied by the latest step() or sync()
+        self.engine.join([self.replica], resumed=False)
 
-    def step(self) -> bool:
-        """Count one inner step; on every `sync_every`-th call, synchronize. Returns True when it synced."""
-        self.local_step += 1
-        if self.local_step % self.sync_every != 0:
-            return False
-        self.sync()
-        return True
+    @property
+    def outer_steps(self) -> int:
+        return self.progress.outer_steps
+
+    @property
+    def local_step(self) -> int:
+        return self.progress.steps
+
+    @property
+    def global_params(self) -> list[torch.Tensor]:
+        """The fp32 global parameters (the model holds them after a plain DiLoCo sync)."""
+        return self.engine.global_params
 
     @torch.no_grad()
-    def sync(self) -> float:
-        """Average pseudogradients over processes, take the outer step, reset the model to the new global
-        parameters. Every process must call it the same number of times. Returns the update norm."""
-        params = list(self.model.parameters())
-        delta = pseudogradient(self.outer.params, params)
-        K = self.backend.world_size  # one replica per process
-        if self.codec is None:
-            delta = mean_uncompressed(self.backend, delta, K)
-        else:
-            message = self.codec.encode(delta, self.error_feedback)
-            delta = mean_compressed(self.backend, self.codec, [message], K, self.outer.params)
-        self.last_update_norm = self.outer.step(delta)
-        for p, g in zip(params, self.outer.params, strict=True):
-            p.copy_(g)
-        self.outer_steps += 1
+    def step(self, loss: float | torch.Tensor | None = None) -> bool:
+        """Count one inner step (pass its loss to have a non-finite one leave this replica out of the
+        next sync); at a sync event apply the syncs due and start the ones scheduled. Every process must
+        call it the same number of times: syncs are collectives. Returns True when a sync was applied."""
+        if loss is not None and not math.isfinite(float(loss)):
+            self.replica.healthy = False
+        self.progress.steps += 1
+        self.replica.inner_steps = self.progress.steps
+        step, engine = self.progress.steps, self.engine
+        engine.trained()
+        finishing, starting = engine.due(step)
+        self.records = [engine.finish(sync, [self.replica]) for sync in finishing]
+        for fragment in starting:
+            sync = engine.start(fragment, [self.replica], step)
+            if sync.apply_step <= step:
+                self.records.append(engine.finish(sync, [self.replica]))
+        return self._applied()
+
+    @torch.no_grad()
+    def sync(self) -> float | None:
+        """Sync now: apply every sync in flight, then sync every fragment at once (tau = 0). Every process
+        must call it at the same point. Returns the norm of the last outer update."""
+        engine, step = self.engine, self.progress.steps
+        self.records = [engine.finish(sync, [self.replica]) for sync in list(engine.in_flight)]
+        for fragment in range(len(engine.fragments)):
+            sync = engine.start(fragment, [self.replica], step, delay=0)
+            self.records.append(engine.finish(sync, [self.replica]))
+        self._applied()
         return self.last_update_norm
 
+    def _applied(self) -> bool:
+        if self.records:
+            self.last_update_norm = self.records[-1].fields["outer_update_norm"]
+        return bool(self.records)
+
     def state_dict(self) -> dict:
+        """Global parameters, outer momentum, error-feedback buffers, syncs in flight (their means), and
+        the counters: with the model's and inner optimizer's own state_dicts, a resume is exact."""
         return {
-            "outer": self.outer.state_dict(),
-            "local_step": self.local_step,
-            "outer_steps": self.outer_steps,
+            "engine": self.engine.state_dict(),
+            "progress": self.progress.state_dict(),
+            "ledger": self.ledger.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.outer.load_state_dict(state["outer"])
-        self.local_step, self.outer_steps = state["local_step"], state["outer_steps"]
+        self.engine.load_state_dict(state["engine"])
+        self.progress.load_state_dict(state["progress"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.replica.inner_steps = self.progress.steps
+
+    def close(self) -> None:
+        """Leave the swarm (hivemind); nothing to do for collectives, whose backend the caller owns."""
+        self.engine.close()

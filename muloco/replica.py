@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from muloco.outer import pseudogradient
+from muloco.sync.outer import pseudogradient
 
 
 def forward_backward(
@@ -50,7 +50,8 @@ class Replica:
         self.compute_time_s = 0.0  # measured inner-step time, summed over the run
         self.inner_steps = 0  # inner steps taken (a round interrupted by a signal leaves replicas apart)
         self.healthy = True  # False after a non-finite loss, until the next sync resets the replica
-        self.error_feedback = None  # an ErrorFeedback when compression.error_feedback is on
+        # simulation.offload: the replica lives in host memory and moves to `device` while it is active.
+        self.offload = False
         # A worker of R ranks (docs/topology.md): this rank computes micro-batches shard_index, +R, ... of
         # each step and the gradients are summed over the worker's ranks before the optimizer step.
         self.shard_index, self.shard_count = 0, 1
@@ -112,14 +113,20 @@ class Replica:
 
     @torch.no_grad()
     def reset_to(self, global_params: list[torch.Tensor]) -> None:
-        """After a non-finite loss or pseudogradient: the global parameters, a fresh inner optimizer state
-        (its momenta may hold the NaN) and an empty error-feedback buffer."""
+        """After a non-finite loss or pseudogradient: the global parameters and a fresh inner optimizer
+        state (its momenta may hold the NaN)."""
         self.load_global(global_params)
         for optimizer in getattr(self.optimizer, "optimizers", [self.optimizer]):
             optimizer.state.clear()
-        if self.error_feedback is not None:
-            self.error_feedback.reset()
         self.healthy = True
+
+    def activate(self) -> None:
+        if self.offload:
+            self.move_to(self.device)
+
+    def deactivate(self) -> None:
+        if self.offload:
+            self.move_to(torch.device("cpu"))
 
     def move_to(self, device: torch.device) -> None:
         """Move parameters and optimizer state (simulation.offload keeps inactive replicas on the CPU)."""
@@ -135,7 +142,6 @@ class Replica:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "stream": self.stream.state_dict(),
-            "error_feedback": self.error_feedback.state_dict() if self.error_feedback is not None else None,
             "inner_steps": self.inner_steps,
             "healthy": self.healthy,
         }
@@ -144,8 +150,6 @@ class Replica:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.stream.load_state_dict(state["stream"])
-        if self.error_feedback is not None:
-            self.error_feedback.load_state_dict(state["error_feedback"])
         self.inner_steps, self.healthy = state["inner_steps"], state["healthy"]
 
 

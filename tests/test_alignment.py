@@ -59,7 +59,7 @@ def test_alignment_is_logged_at_every_sync_and_leaves_the_run_unchanged(tiny):
     cfg = load_config(None, [*args, "diagnostics.alignment=true", "run.name=probed"])
     probed = Trainer(cfg)
     probed.run()
-    for a, b in zip(plain.outer.params, probed.outer.params, strict=True):
+    for a, b in zip(plain.engine.outer.params, probed.engine.outer.params, strict=True):
         assert torch.equal(a, b)  # the probe reads its own copies of the streams
     for record in _sync_records(Path(cfg.run.output_dir) / "probed"):
         assert -1 <= record["cos_to_union"] <= 1 and 0 < record["norm_retention"] <= 1

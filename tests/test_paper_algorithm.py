@@ -176,7 +176,9 @@ def test_engine_matches_the_paper_algorithm(tmp_path, tiny, workers):
     summary = trainer.run()
     assert summary["outer_steps"] == 4
     reference = paper_muloco(cfg, trainer.data.train)
-    for name, ours, theirs in zip(trainer.outer.names, trainer.outer.params, reference, strict=True):
+    for name, ours, theirs in zip(
+        trainer.engine.outer.names, trainer.engine.outer.params, reference, strict=True
+    ):
         # The engine's Newton-Schulz stacks same-shape matrices and runs rectangular ones through the Gram
         # variant: the same polynomial in another summation order, so agreement is to float rounding.
         torch.testing.assert_close(ours, theirs, rtol=2e-5, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")

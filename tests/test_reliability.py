@@ -247,11 +247,11 @@ def test_a_signal_stops_after_the_current_inner_step_and_resume_is_exact(tiny):
     summary = cut.run()
     assert summary["status"] == "interrupted"
     state = load_checkpoint(list_checkpoints(cut.checkpoint_dir)[-1])
-    assert [r["inner_steps"] for r in state["replicas"]] == [12, 8, 6] and state["step"] == 6
+    assert [r["inner_steps"] for r in state["replicas"]] == [12, 8, 6] and state["progress"]["steps"] == 6
 
     resumed = Trainer(load_config(None, [*overrides, "run.name=cut"]))
     assert resumed.run()["status"] == "completed"
-    for a, b in zip(full.outer.params, resumed.outer.params, strict=True):
+    for a, b in zip(full.engine.outer.params, resumed.engine.outer.params, strict=True):
         assert torch.equal(a, b)
 
 
@@ -282,8 +282,8 @@ def test_a_non_finite_replica_is_left_out_and_reset(tiny):
     records = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     syncs = [r for r in records if r["kind"] == "sync"]
     assert [r["replicas_left_out"] for r in syncs] == [1, 0]
-    assert all(torch.isfinite(p).all() for p in trainer.outer.params)
-    for p, g in zip(params_of(trainer.replicas[1].model), trainer.outer.params, strict=True):
+    assert all(torch.isfinite(p).all() for p in trainer.engine.outer.params)
+    for p, g in zip(params_of(trainer.replicas[1].model), trainer.engine.outer.params, strict=True):
         assert torch.equal(p, g)  # reset, then merged like the others
 
 
@@ -292,14 +292,14 @@ def test_the_first_sync_averages_the_healthy_replicas_only(tiny):
     first Nesterov step: theta - lr (1 + m) mean delta), computed here from hand-trained workers."""
     cfg = load_config(None, [*tiny, *INTERRUPTIBLE, "train.total_tokens=2304", "inner.optimizer=adamw"])
     trainer = Trainer(cfg)
-    theta = [p.clone() for p in trainer.outer.params]
+    theta = [p.clone() for p in trainer.engine.outer.params]
     poison(trainer, 1, {5})
     trainer.run()
     workers = [hand_inner_steps(cfg, trainer, r, 6) for r in (0, 2)]
     for i, t in enumerate(theta):
         mean_delta = ((t - workers[0][i]) + (t - workers[1][i])) / 2
         expected = t - cfg.outer.lr * (1 + cfg.outer.momentum) * mean_delta
-        torch.testing.assert_close(trainer.outer.params[i], expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(trainer.engine.outer.params[i], expected, rtol=0, atol=1e-6)
 
 
 def test_max_bad_syncs_in_a_row_stop_the_run_and_keep_the_checkpoint(tiny, capsys):
@@ -314,7 +314,7 @@ def test_max_bad_syncs_in_a_row_stop_the_run_and_keep_the_checkpoint(tiny, capsy
     assert [p.name for p in checkpoints] == [
         "step_00000006.pt"
     ]  # after the first bad sync, before the second
-    assert all(torch.isfinite(p).all() for p in load_checkpoint(checkpoints[-1])["outer"]["params"])
+    assert all(torch.isfinite(p).all() for p in load_checkpoint(checkpoints[-1])["engine"]["outer"]["params"])
 
 
 def test_diverged_run_exits_1_with_one_line(tiny, capsys, monkeypatch):
@@ -342,21 +342,22 @@ def test_dp_skips_non_finite_steps(tiny):
 
     hook = next(model.parameters()).register_hook(nan_on_third_backward)
     before_third = {}
-    original = trainer._dp_step
+    original = trainer.dp.step
 
-    def dp_step():
-        if trainer.step == 2:
+    def dp_step(*args):
+        if trainer.progress.steps == 2:
             before_third.update(params=params_of(model))
-        original()
-        if trainer.step == 3:  # the non-finite step left the parameters as they were
+        result = original(*args)
+        if trainer.progress.steps == 3:  # the non-finite step left the parameters as they were
             assert all(
                 torch.equal(a, b) for a, b in zip(before_third["params"], params_of(model), strict=True)
             )
+        return result
 
-    trainer._dp_step = dp_step
+    trainer.dp.step = dp_step
     summary = trainer.run()
     hook.remove()
-    assert summary["status"] == "completed" and trainer.bad_syncs == 0
+    assert summary["status"] == "completed" and trainer.progress.bad_syncs == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

@@ -121,7 +121,7 @@ def test_checkpoint_of_another_config_is_refused(tiny):
     first, _ = run(tiny)
     with pytest.raises(CheckpointError, match="different config"):
         Trainer(load_config(None, [*tiny, "inner.lr=0.01"]))
-    assert load_checkpoint(list_checkpoints(first.run_dir / "checkpoints")[-1])["step"] == 12
+    assert load_checkpoint(list_checkpoints(first.run_dir / "checkpoints")[-1])["progress"]["steps"] == 12
 
 
 def test_unwritable_output_dir_is_a_user_error(tiny, tmp_path):
@@ -149,6 +149,6 @@ def test_offload_options_run_and_change_nothing_on_cpu(tiny):
             "run.name=off",
         ]
     )
-    assert off.outer.device.type == "cpu" and summary["status"] == "completed"
-    for a, b in zip(base.outer.params, off.outer.params, strict=True):
+    assert off.engine.outer.device.type == "cpu" and summary["status"] == "completed"
+    for a, b in zip(base.engine.outer.params, off.engine.outer.params, strict=True):
         assert torch.equal(a, b)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from muloco.codec import PseudogradientCodec, pack
+from muloco.sync.codec import PseudogradientCodec, pack
 from muloco.comm import ring_allgather_bytes, ring_allreduce_bytes
 from muloco.comm.torch_dist import TorchDistBackend
 from muloco.config import CompressionConfig, ModelConfig

@@ -38,7 +38,7 @@ def syncs(run_dir: Path) -> list[dict]:
 
 
 def global_params(run_dir: Path) -> list[torch.Tensor]:
-    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])["outer"]["params"]
+    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])["engine"]["outer"]["params"]
 
 
 @pytest.mark.parametrize(

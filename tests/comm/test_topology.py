@@ -16,7 +16,7 @@ QS = str(ROOT / "configs/quickstart.yaml")
 
 
 def final_global_params(run_dir: Path):
-    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])["outer"]["params"]
+    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])["engine"]["outer"]["params"]
 
 
 @pytest.mark.slow
@@ -53,7 +53,7 @@ def test_workers_of_two_ranks_equal_the_simulation(tmp_path, TINY, extra):
         "launch", "--nproc", 4, QS, *common, "ranks_per_worker=2", "run.name=ranks", timeout=240
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    for a, b in zip(sim.outer.params, final_global_params(tmp_path / "ranks"), strict=True):
+    for a, b in zip(sim.engine.outer.params, final_global_params(tmp_path / "ranks"), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     summary = json.loads((tmp_path / "ranks" / "summary.json").read_text())
     expected = json.loads((tmp_path / "sim" / "summary.json").read_text())

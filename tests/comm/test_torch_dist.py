@@ -35,7 +35,7 @@ def sync_losses(run_dir: Path) -> list[float]:
 
 def final_global_params(run_dir: Path):
     state = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])
-    return state["outer"]["params"]
+    return state["engine"]["outer"]["params"]
 
 
 STAT4_EF = ["compression.scheme=statistical", "compression.bits=4", "compression.error_feedback=true"]
@@ -68,7 +68,7 @@ def test_simulation_equals_4x1_and_2x2_processes(tmp_path, TINY, inner, compress
     ]
     sim = Trainer(load_config(QS, [*common, "run.name=sim"]))
     sim.run()
-    expected = [p.clone() for p in sim.outer.params]
+    expected = [p.clone() for p in sim.engine.outer.params]
     for nproc in (4, 2):
         result = launch(nproc, [*common, f"run.name=p{nproc}"])
         assert result.returncode == 0, result.stderr[-3000:]
@@ -116,7 +116,7 @@ def test_streaming_over_processes_equals_the_simulation(tmp_path, TINY, extra, r
     sim.run()
     result = launch(2, [*common, "run.name=p2"])
     assert result.returncode == 0, result.stderr[-3000:]
-    for a, b in zip(sim.outer.params, final_global_params(tmp_path / "p2"), strict=True):
+    for a, b in zip(sim.engine.outer.params, final_global_params(tmp_path / "p2"), strict=True):
         torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * 0.1)
     summary = json.loads((tmp_path / "p2" / "summary.json").read_text())
     assert summary["fragment_syncs"] == sim.fragment_syncs
@@ -318,7 +318,7 @@ def test_resume_over_processes_is_bitwise_identical(tmp_path, TINY, extra):
     for rank_dir in ("", "rank1"):
         a = load_checkpoint(list_checkpoints(tmp_path / "full/run/checkpoints" / rank_dir)[-1])
         b = load_checkpoint(list_checkpoints(tmp_path / "cut/run/checkpoints" / rank_dir)[-1])
-        for x, y in zip(a["outer"]["params"], b["outer"]["params"], strict=True):
+        for x, y in zip(a["engine"]["outer"]["params"], b["engine"]["outer"]["params"], strict=True):
             assert torch.equal(x, y)
         for x, y in zip(a["replicas"][0]["model"].values(), b["replicas"][0]["model"].values(), strict=True):
             assert torch.equal(x, y)

@@ -13,19 +13,14 @@ starts its sync at every step s > 0 with s mod H == offset_p, offset_p = floor(p
 fragment 0 at 30, 60, 90, ...; fragment 1 at 10, 40, 70, ...; fragment 2 at 20, 50, 80, ... A sync started
 at s is applied at s + tau (`sync.overlap`); the inner steps go on meanwhile. P = 1, tau = 0 is plain DiLoCo.
 At the last step of the run every fragment with unsynced inner steps syncs once more, with tau = 0, so the
-final global parameters hold every worker's work. `InFlightSync` is a sync between its start and its
-application, with what a checkpoint keeps of it.
+final global parameters hold every worker's work.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
-
-from muloco.comm import CompletedHandle
-from muloco.reduce import Mean, PendingMean
+from dataclasses import dataclass
 
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(\d+)\.")
 
@@ -67,6 +62,14 @@ def assign_fragments(
     return result
 
 
+def fragment_indices(names: Sequence[str], sync) -> list[list[int]]:
+    """Parameter indices of each fragment for the `sync:` section (one fragment unless streaming)."""
+    owner = assign_fragments(
+        names, sync.fragments, sync.fragment_pattern, sync.embedding_fragment, sync.head_fragment
+    )
+    return [[i for i, p in enumerate(owner) if p == f] for f in range(sync.fragments)]
+
+
 @dataclass(frozen=True)
 class SyncSchedule:
     every: int  # H
@@ -92,31 +95,3 @@ class SyncSchedule:
     def table(self, steps: int) -> list[tuple[int, int, int]]:
         """(start step, fragment, apply step) of every scheduled sync up to `steps` (docs and tests)."""
         return [(s, p, s + self.overlap) for s in range(1, steps + 1) for p in self.starting_at(s)]
-
-
-@dataclass
-class InFlightSync:
-    """A fragment's sync between its start (pseudogradients sent) and its application (outer step)."""
-
-    fragment: int
-    started_step: int
-    apply_step: int
-    result: PendingMean
-    stats: dict[str, Any] = field(default_factory=dict)  # what the sync's log record reports
-
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpointing drains the transfer (waits for the mean) and saves the mean itself, so a resumed
-        run applies exactly the same update at the same step."""
-        return {
-            "fragment": self.fragment,
-            "started_step": self.started_step,
-            "apply_step": self.apply_step,
-            "mean": list(self.result.wait()),  # [values or None, contributors]: plain types for weights_only
-            "stats": self.stats,
-        }
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> InFlightSync:
-        mean = Mean(*state["mean"])
-        result = PendingMean(CompletedHandle(mean), lambda m: m)
-        return cls(state["fragment"], state["started_step"], state["apply_step"], result, state["stats"])

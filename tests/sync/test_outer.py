@@ -2,7 +2,7 @@
 
 import torch
 
-from muloco.outer import OuterOptimizer, nesterov_outer_step
+from muloco.sync.outer import OuterOptimizer, nesterov_outer_step
 
 
 def test_two_outer_steps_match_hand_computation():

@@ -13,80 +13,13 @@ from test_helpers import params_of
 from muloco.comm import ring_allreduce_bytes
 from muloco.config import load_config
 from muloco.data import ReplicaStream
-from muloco.errors import ConfigError, UserError
+from muloco.errors import UserError
 from muloco.lr_schedule import lr_multiplier
 from muloco.models import build_model
 from muloco.optim import build_inner_optimizer
-from muloco.outer import nesterov_outer_step
 from muloco.replica import set_lr_multiplier
-from muloco.schedule import SyncSchedule, assign_fragments, block_index
+from muloco.sync.outer import nesterov_outer_step
 from muloco.trainer import Trainer
-
-GPT_NAMES = [
-    "tok_emb.weight",
-    "pos_emb.weight",
-    *[f"blocks.{i}.{part}" for i in range(6) for part in ("attn.qkv.weight", "mlp.fc.weight")],
-    "final_norm.weight",
-    "head.weight",
-]
-
-
-def test_block_index_reads_the_first_numeric_component():
-    assert block_index("blocks.12.attn.qkv.weight") == 12
-    assert block_index("model.layers.3.mlp.weight") == 3
-    assert block_index("tok_emb.weight") is None
-
-
-@pytest.mark.parametrize("pattern", ["strided", "sequential"])
-@pytest.mark.parametrize("fragments", [1, 2, 3, 6])
-def test_fragments_partition_the_parameters(pattern, fragments):
-    owner = assign_fragments(GPT_NAMES, fragments, pattern)
-    assert len(owner) == len(GPT_NAMES)  # every parameter in exactly one fragment
-    assert set(owner) == set(range(fragments))  # and no fragment empty
-    assert owner[0] == owner[1] == 0  # embeddings: first fragment
-    assert owner[-1] == owner[-2] == fragments - 1  # final norm + head: last fragment
-
-
-def test_strided_and_sequential_place_blocks_as_documented():
-    def blocks_of(owner):
-        return {b: owner[GPT_NAMES.index(f"blocks.{b}.mlp.fc.weight")] for b in range(6)}
-
-    assert blocks_of(assign_fragments(GPT_NAMES, 3, "strided")) == {0: 0, 1: 1, 2: 2, 3: 0, 4: 1, 5: 2}
-    assert blocks_of(assign_fragments(GPT_NAMES, 3, "sequential")) == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
-    moved = assign_fragments(GPT_NAMES, 3, "strided", embedding_fragment=-1, head_fragment=0)
-    assert moved[0] == 2 and moved[-1] == 0
-
-
-def test_more_fragments_than_blocks_is_refused():
-    with pytest.raises(ValueError, match="sync.fragments \\(7\\) exceeds the model's 6 blocks"):
-        assign_fragments(GPT_NAMES, 7)
-
-
-def test_schedule_for_p3_h30_is_the_documented_one():
-    schedule = SyncSchedule(every=30, fragments=3, overlap=2)
-    starts = [(s, p) for s, p, _ in schedule.table(90)]
-    # docs/streaming.md: fragment 0 at 30, 60, 90; fragment 1 at 10, 40, 70; fragment 2 at 20, 50, 80.
-    assert starts == [(10, 1), (20, 2), (30, 0), (40, 1), (50, 2), (60, 0), (70, 1), (80, 2), (90, 0)]
-    assert all(apply == start + 2 for start, _, apply in schedule.table(90))
-    assert SyncSchedule(every=30).table(90) == [(30, 0, 30), (60, 0, 60), (90, 0, 90)]
-
-
-@pytest.mark.parametrize(
-    "override, message",
-    [
-        ("sync.fragments=31", "sync.fragments (31) exceeds sync.every (30)"),
-        ("sync.overlap=10", "sync.overlap (10) must be below sync.every / sync.fragments"),
-        ("sync.embedding_fragment=3", "sync.embedding_fragment (3) must be in"),
-    ],
-)
-def test_impossible_streaming_settings_are_config_errors(override, message):
-    with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)")):
-        load_config(None, ["sync.every=30", "sync.fragments=3", override])
-
-
-def test_streaming_with_dp_is_refused():
-    with pytest.raises(ConfigError, match="apply to method: diloco"):
-        load_config(None, ["method=dp", "sync.fragments=2"])
 
 
 def test_trainer_refuses_more_fragments_than_the_model_has_blocks(tiny):
@@ -189,7 +122,7 @@ def test_engine_equals_the_reference_algorithm(tiny, sync, fragments):
     trainer = Trainer(cfg)
     trainer.run()
     expected, applied_at = reference_streaming(cfg, trainer.data, fragments)
-    for a, b in zip(expected, trainer.outer.params, strict=True):
+    for a, b in zip(expected, trainer.engine.outer.params, strict=True):
         if cfg.sync.alpha == 0:
             assert torch.equal(a, b)
         else:  # lerp_ and alpha a + (1 - alpha) b round differently in the last bit
@@ -197,7 +130,7 @@ def test_engine_equals_the_reference_algorithm(tiny, sync, fragments):
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     syncs = [r for r in records if r["kind"] == "sync"]
     assert [(r.get("fragment", 0), r["step"]) for r in syncs] == applied_at
-    assert trainer.fragment_syncs == len(applied_at)
+    assert trainer.progress.fragment_syncs == len(applied_at)
 
 
 def test_plain_diloco_is_unchanged_by_streaming_defaults(tiny):
@@ -209,7 +142,7 @@ def test_plain_diloco_is_unchanged_by_streaming_defaults(tiny):
         load_config(None, [*base, "run.name=spelled", "sync.fragments=1", "sync.overlap=0", "sync.alpha=0"])
     )
     spelled.run()
-    for a, b in zip(plain.outer.params, spelled.outer.params, strict=True):
+    for a, b in zip(plain.engine.outer.params, spelled.engine.outer.params, strict=True):
         assert torch.equal(a, b)
 
 
@@ -254,20 +187,20 @@ def test_checkpoint_with_a_sync_in_flight_resumes_exactly(tiny, tmp_path):
     full.run()
 
     interrupted = Trainer(load_config(None, [*overrides, "run.name=cut"]))
-    original_round = interrupted._diloco_round
+    original_round = interrupted.run_round
 
     def round_then_stop():
         original_round()
-        if interrupted.in_flight and interrupted.step >= 4:
-            interrupted.stop_signal = signal.SIGTERM
+        if interrupted.engine.in_flight and interrupted.progress.steps >= 4:
+            interrupted.stop.signal = signal.SIGTERM
 
-    interrupted._diloco_round = round_then_stop
+    interrupted.run_round = round_then_stop
     summary = interrupted.run()
-    assert summary["status"] == "interrupted" and interrupted.step < interrupted.total_steps
+    assert summary["status"] == "interrupted" and interrupted.progress.steps < interrupted.total_steps
     resumed = Trainer(load_config(None, [*overrides, "run.name=cut"]))
-    assert resumed.in_flight and resumed.in_flight[0].apply_step == resumed.step + 1
+    assert resumed.engine.in_flight and resumed.engine.in_flight[0].apply_step == resumed.progress.steps + 1
     assert resumed.run()["status"] == "completed"
-    for a, b in zip(full.outer.params, resumed.outer.params, strict=True):
+    for a, b in zip(full.engine.outer.params, resumed.engine.outer.params, strict=True):
         assert torch.equal(a, b)
     for a, b in zip(params_of(full.replicas[1].model), params_of(resumed.replicas[1].model), strict=True):
         assert torch.equal(a, b)
@@ -329,12 +262,11 @@ def test_evaluation_uses_the_global_parameters(tiny):
     trainer.run()
     before = params_of(trainer.replicas[0].model)
     trainer.metrics = type("Sink", (), {"log": lambda self, record: None})()
-    trainer._evaluate()
-    evaluated = trainer.val_losses[-1][1]
+    evaluated = trainer.evaluate()
     assert all(torch.equal(a, b) for a, b in zip(before, params_of(trainer.replicas[0].model), strict=True))
     with torch.no_grad():
         model = copy.deepcopy(trainer.replicas[0].model)
-        for p, g in zip(model.parameters(), trainer.outer.params, strict=True):
+        for p, g in zip(model.parameters(), trainer.engine.outer.params, strict=True):
             p.copy_(g)
         model.eval()
         losses = [model(x, y).item() for x, y in trainer.val_set]

@@ -1,0 +1,76 @@
+"""Building a run's pieces from the config: the device, autocast, the replicas, the alignment probe."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch import nn
+
+from muloco.alignment import AlignmentProbe, UnionStream
+from muloco.comm.topology import Topology
+from muloco.config import Config
+from muloco.data import ReplicaStream
+from muloco.errors import UserError
+from muloco.models import ParamRole, param_roles
+from muloco.optim import build_inner_optimizer
+from muloco.replica import Replica
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("device: cuda was asked for but no CUDA device is available; use device=auto or cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def autocast_factory(precision: str, device: torch.device):
+    """train.precision: bf16 autocast (auto: on CUDA), else a no-op context."""
+    if not (precision == "bf16" or (precision == "auto" and device.type == "cuda")):
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def diloco_replicas(
+    cfg: Config,
+    template: nn.Module,
+    indices: list[int],
+    streams: list,
+    device,
+    topology: Topology,
+    offload: bool,
+) -> list[Replica]:
+    """A DiLoCo worker's model copy, inner optimizer and stream per local replica (in host memory with
+    simulation.offload); with workers of R ranks, this rank's share of each step."""
+    worker, replicas = topology.worker, []
+    # Distributed Muon: each matrix's momentum and Newton-Schulz on one rank of the worker.
+    owners = worker.group if worker is not None and cfg.inner.distributed_muon else None
+    for index, stream in zip(indices, streams, strict=True):
+        model = copy.deepcopy(template).to(torch.device("cpu") if offload else device)
+        optimizer = build_inner_optimizer(model, cfg.inner, process_group=owners)
+        replica = Replica(index, model, optimizer, stream, device)
+        replica.offload = offload
+        if worker is not None:
+            replica.worker = worker
+            replica.shard_index, replica.shard_count = topology.local_rank, worker.world_size
+        replicas.append(replica)
+    return replicas
+
+
+def dp_replica(cfg: Config, template: nn.Module, index: int, stream, device) -> Replica:
+    """dp: one model whose micro-batches are the K workers' batches."""
+    model = template.to(device)
+    return Replica(index, model, build_inner_optimizer(model, cfg.inner), stream, device)
+
+
+def alignment_probe(cfg: Config, template: nn.Module, train_data, device) -> AlignmentProbe:
+    """diagnostics.alignment: a replica on the union of the K workers' batches (alignment.py)."""
+    K = cfg.workers
+    streams = [ReplicaStream(train_data, cfg.model.seq_len, r, K, cfg.run.seed) for r in range(K)]
+    model = copy.deepcopy(template).to(device)
+    replica = Replica(-1, model, build_inner_optimizer(model, cfg.inner), UnionStream(streams), device)
+    roles = param_roles(model)
+    matrices = [i for i, (n, _) in enumerate(model.named_parameters()) if roles[n] == ParamRole.MATRIX]
+    return AlignmentProbe(replica, matrices)

@@ -1,0 +1,88 @@
+"""`method: dp`, the data-parallel baseline: one model whose gradients are averaged over the K workers'
+batches every step, so the maths is K-worker data parallelism (DESIGN.md). A process hosts the streams of
+its replicas; the gradient all-reduce across processes is an identity in one process."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch.profiler import record_function
+
+from muloco.comm import Backend, ring_allreduce_bytes
+from muloco.replica import Replica, forward_backward, set_lr_multiplier
+from muloco.run_state import CommLedger, Progress, WanProjection
+from muloco.sync.engine import global_norm
+from muloco.sync.guard import BadSyncGuard
+from muloco.wan import allreduce_seconds
+
+
+class DataParallel:
+    def __init__(
+        self,
+        replica: Replica,
+        streams: list,
+        backend: Backend,
+        workers: int,
+        micro_batches: int,
+        seqs_per_micro: int,
+        grad_clip: float,
+        guard: BadSyncGuard,
+        progress: Progress,
+        ledger: CommLedger,
+        wan: WanProjection,
+    ) -> None:
+        self.replica, self.streams, self.backend, self.workers = replica, streams, backend, workers
+        self.micro_batches, self.seqs_per_micro, self.grad_clip = micro_batches, seqs_per_micro, grad_clip
+        self.guard, self.progress, self.ledger, self.wan = guard, progress, ledger, wan
+        self.grad_bytes = 4 * sum(p.numel() for p in replica.model.parameters())  # fp32 gradients
+
+    def step(self, lr_multiplier: float, autocast) -> tuple[float, int]:
+        """One step: gradients averaged over the K workers' batches, one optimizer step. Returns this
+        process's (sum of micro-batch losses, their count)."""
+        K, replica = self.workers, self.replica
+        set_lr_multiplier(replica.optimizer, lr_multiplier)
+        loss_sum = 0.0
+        t0 = time.perf_counter()
+        with record_function("muloco::forward_backward"):
+            for stream in self.streams:
+                batches = (stream.next_batch(self.seqs_per_micro) for _ in range(self.micro_batches))
+                scale = 1.0 / (K * self.micro_batches)
+                loss_sum += forward_backward(replica.model, batches, scale, replica.device, autocast)
+        # One worker computes one of the K batches: its share of this process's forward/backward time.
+        self.progress.worker_compute_s += (time.perf_counter() - t0) / len(self.streams)
+
+        # Gradient all-reduce across processes: every process calls it each step (a collective).
+        grads = [p.grad for p in replica.model.parameters()]
+        t0 = time.perf_counter()
+        self.backend.all_reduce_sum(grads).wait()
+        self.ledger.comm_wait_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        # Every process holds the same summed gradients, so all skip a non-finite step alike. Clipping
+        # measures the norm anyway: one pass over the gradients, not two.
+        if self.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(replica.model.parameters(), self.grad_clip).item()
+        else:
+            norm = global_norm(grads)
+        finite = math.isfinite(norm)
+        if finite:
+            replica.optimizer.step()
+        replica.optimizer.zero_grad(set_to_none=True)
+        step = self.progress.steps + 1
+        self.guard.record(0 if finite else K, f"dp step {step} (non-finite gradients: skipped)")
+        self.progress.worker_compute_s += time.perf_counter() - t0
+        self.progress.steps = step
+        sent = ring_allreduce_bytes(self.grad_bytes, K)
+        self.ledger.bytes_sent += sent
+        self.ledger.peak_bytes_per_sync = sent
+        if self.wan.link is not None:
+            self.wan.project(allreduce_seconds(self.wan.link, self.grad_bytes, K), 0)
+        return loss_sum, len(self.streams) * self.micro_batches
+
+    def state_dict(self) -> dict:
+        return {"streams": [s.state_dict() for s in self.streams]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for stream, stream_state in zip(self.streams, state["streams"], strict=True):
+            stream.load_state_dict(stream_state)

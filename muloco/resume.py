@@ -1,0 +1,98 @@
+"""What the ranks of a run agree on at start: the same config, and the checkpoint to resume from
+(`checkpoint.resume`).
+
+One process: the newest readable checkpoint (auto), a given file, or none (never). Several processes: a
+process killed mid-run leaves the ranks at different newest checkpoints, so the ranks take the newest step
+that every rank holds and can read, falling back step by step, and check that they all resume from the
+same step. These are collectives: every rank calls `find_resume_checkpoint` once, at start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from muloco.checkpoint import checkpoint_step, find_resume_state, list_checkpoints, load_checkpoint
+from muloco.comm import Backend
+from muloco.errors import CheckpointError, UserError
+
+log = logging.getLogger("muloco")
+
+Found = tuple[Path, dict[str, Any]] | None
+
+
+def check_same_config(backend: Backend, fingerprint: str) -> None:
+    """A collective every rank calls first: ranks launched with different configs stop, all of them."""
+    if backend.world_size == 1:
+        return
+    fingerprints = [p.decode() for p in backend.all_gather_bytes(fingerprint.encode()).wait()]
+    if len(set(fingerprints)) > 1:
+        raise UserError(
+            f"the config differs across ranks (fingerprints by rank: {', '.join(fingerprints)}); "
+            "start every rank with the same config file and KEY=VALUE overrides"
+        )
+
+
+def find_resume_checkpoint(
+    backend: Backend, resume: str, directory: Path, fingerprint: str, local_indices: list[int]
+) -> Found:
+    """(path, state) to resume from, or None to start fresh; checks it belongs to this config and these
+    replicas."""
+    if backend.world_size > 1 and resume == "auto":
+        found = _common_checkpoint(backend, directory)
+    else:
+        found = find_resume_state(resume, directory)
+    if backend.world_size > 1:
+        _agree_on_step(backend, found)
+    if found is None:
+        return None
+    path, state = found
+    if state.get("fingerprint") != fingerprint:
+        raise CheckpointError(
+            f"checkpoint {path} was written with a different config; resume with the same config, "
+            "or pick a new run.name (or checkpoint.resume=never to start over)"
+        )
+    if state.get("local_indices") != local_indices:
+        raise CheckpointError(
+            f"checkpoint {path} holds replicas {state.get('local_indices')}, not {local_indices}"
+        )
+    return found
+
+
+def _common_checkpoint(backend: Backend, directory: Path) -> Found:
+    """The newest step every rank holds and can read (collectives: every rank calls them)."""
+    mine = {checkpoint_step(p): p for p in list_checkpoints(directory)}
+    lists = backend.all_gather_bytes(json.dumps(sorted(mine)).encode()).wait()
+    common = set(mine)
+    for other in lists:
+        common &= set(json.loads(other))
+    for step in sorted(common, reverse=True):
+        try:
+            found = (mine[step], load_checkpoint(mine[step]))
+        except CheckpointError as exc:
+            log.warning("skipping unreadable checkpoint path=%s reason=%s", mine[step], exc)
+            found = None
+        readable = backend.all_gather_bytes(b"1" if found else b"0").wait()
+        if all(flag == b"1" for flag in readable):
+            if step != max(mine):
+                log.warning("resuming from step %d, the newest checkpoint every rank holds", step)
+            return found
+    if any(json.loads(other) for other in lists):
+        raise CheckpointError(
+            f"no checkpoint step is held and readable by every rank (under {directory}); set "
+            "checkpoint.resume=never to start over"
+        )
+    return None
+
+
+def _agree_on_step(backend: Backend, found: Found) -> None:
+    """Every rank must resume from the same step (a collective: all ranks call it)."""
+    step = str(found[1]["progress"]["steps"] if found else -1).encode()
+    steps = [int(s) for s in backend.all_gather_bytes(step).wait()]
+    if len(set(steps)) > 1:
+        raise CheckpointError(
+            f"ranks found checkpoints of different steps to resume from ({steps}); give every rank the same "
+            "checkpoint.resume step, or set checkpoint.resume=never"
+        )

@@ -1,0 +1,64 @@
+"""SIGINT / SIGTERM during a run: finish the current inner step (one process) or round (several), write a
+checkpoint, exit 130 / 143; a second Ctrl+C exits at once (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import torch
+
+from muloco.comm import Backend
+
+log = logging.getLogger("muloco")
+
+EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class StopRequest:
+    """The signal a run was asked to stop with (None: keep going), set by handlers `install` puts up."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.signal: int | None = None
+        self._previous: dict | None = None
+
+    def install(self) -> None:
+        """Handlers for SIGINT and SIGTERM (main thread only; `restore` puts the previous ones back)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):
+            if self.signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.signal = signum
+            when = "the current inner step" if self.backend.world_size == 1 else "this round"
+            log.warning(
+                "signal=%s received: stopping after %s, writing a checkpoint (Ctrl+C again: exit at once)",
+                *(signal.Signals(signum).name, when),
+            )
+
+        self._previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        for sig, handler in (self._previous or {}).items():
+            signal.signal(sig, handler)
+        self._previous = None
+
+    def now(self) -> bool:
+        """Stop inside a round, after the current inner step: single-process runs only. With several
+        processes the ranks agree to stop at the end of the round (`agreed`): agreeing after every inner
+        step would cost a collective per step over the slow link DiLoCo is meant to spare."""
+        return self.signal is not None and self.backend.world_size == 1
+
+    def agreed(self) -> bool:
+        """Whether any rank got SIGINT/SIGTERM. With several processes this is a collective (every rank
+        calls it once per round), so all ranks stop after the same round rather than one waiting forever."""
+        if self.backend.world_size == 1:
+            return self.signal is not None
+        flag = torch.tensor([0.0 if self.signal is None else float(self.signal)])
+        flag = self.backend.all_reduce_sum([flag]).wait()[0]
+        if flag.item() > 0 and self.signal is None:
+            self.signal = signal.SIGTERM  # another rank was told to stop
+        return flag.item() > 0

@@ -1,0 +1,60 @@
+"""summary.json (DESIGN.md's contract): the config's key figures, every component's summary fields, and
+the run's throughput."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import muloco
+from muloco.comm import ring_allreduce_bytes
+from muloco.config import Config
+
+
+def config_figures(cfg: Config) -> dict[str, Any]:
+    """What the config says about the run, in the summary's names."""
+    compressed = cfg.compression.scheme != "none"
+    return {
+        "run_name": cfg.run.name,
+        "method": cfg.method,
+        "inner_optimizer": cfg.inner.optimizer,
+        "workers": cfg.workers,
+        "ranks_per_worker": cfg.ranks_per_worker,
+        "sync_every": cfg.sync.every if cfg.method == "diloco" else 1,
+        "bits": cfg.compression.bits if compressed else 32,
+        "compression": cfg.compression.scheme,
+        "fragments": cfg.sync.fragments,
+        "overlap": cfg.sync.overlap,
+        "alpha": cfg.sync.alpha,
+        "error_feedback": cfg.compression.error_feedback and compressed,
+    }
+
+
+def build_summary(
+    cfg: Config,
+    components: dict[str, Any],
+    replicas: list,
+    num_params: int,
+    device: str,
+    elapsed_s: float,
+    train_time_s: float,
+    status: str,
+) -> dict[str, Any]:
+    steps = components["progress"].steps
+    tokens = steps * cfg.train.batch_tokens
+    return {
+        **config_figures(cfg),
+        "tokens_seen": tokens,
+        **components["progress"].summary(),
+        **components["ledger"].summary(),
+        "bytes_ddp_equivalent": steps * ring_allreduce_bytes(4 * num_params, cfg.workers),
+        "wall_time_s": round(elapsed_s, 3),
+        "tokens_per_s": round(tokens / elapsed_s, 1) if elapsed_s > 0 else None,
+        "train_tokens_per_s": round(tokens / train_time_s, 1) if train_time_s > 0 else None,
+        "replica_compute_s": [round(r.compute_time_s, 3) for r in replicas],
+        **components["wan"].summary(),
+        "params": num_params,
+        "device": device,
+        "config_fingerprint": cfg.fingerprint(),
+        "muloco_version": muloco.__version__,
+        "status": status,
+    }

@@ -1,0 +1,42 @@
+"""The sync engine: from the replicas' inner steps to the next round (DESIGN.md, "Layers").
+
+- `engine.py`: `SyncEngine`, one sync in two halves (`start` -> `InFlightSync`, `finish` -> `SyncRecord`),
+  its schedule (`due`), error-feedback buffers, checkpoint state; its docstring walks through a sync.
+- `outer.py`: the fp32 global copy and the outer Nesterov step (`nesterov_outer_step`, `OuterOptimizer`).
+- `fragments.py`: Streaming DiLoCo's fragments (`assign_fragments`) and their staggered `SyncSchedule`.
+- `codec.py`: a replica's message (`PseudogradientCodec`: per-parameter compressors, encode, decode-mean).
+- `reduce.py`: the `Reducer` protocol, `Contribution`, `Mean`, `PendingMean`, and `CollectiveReducer`
+  (local / torch.distributed with the worker topology); the swarm's is `muloco.comm.hivemind.SwarmReducer`.
+- `inflight.py`: `InFlightSync` (a sync between start and application, checkpointable) and `SyncRecord`.
+- `guard.py`: the non-finite guard (replicas left out of a sync; `train.max_bad_syncs`).
+"""
+
+from __future__ import annotations
+
+from muloco.sync.engine import SyncEngine, build_codecs, global_norm
+from muloco.sync.inflight import InFlightSync, SyncRecord
+from muloco.sync.reduce import CollectiveReducer, Contribution, Mean, PendingMean, Reducer
+
+
+def build_reducer(cfg, topology) -> Reducer:
+    """The reducer `backend.kind` names: a hivemind swarm, else collectives over the processes' topology."""
+    if cfg.backend.kind == "hivemind":
+        from muloco.comm.hivemind.reducer import SwarmReducer
+
+        return SwarmReducer(cfg.backend.hivemind, cfg.workers)
+    return CollectiveReducer(topology, cfg.workers)
+
+
+__all__ = [
+    "CollectiveReducer",
+    "Contribution",
+    "InFlightSync",
+    "Mean",
+    "PendingMean",
+    "Reducer",
+    "SyncEngine",
+    "SyncRecord",
+    "build_codecs",
+    "build_reducer",
+    "global_norm",
+]

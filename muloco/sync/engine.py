@@ -1,0 +1,324 @@
+"""The sync engine: everything between the replicas' inner steps and the next round (DiLoCo, Douillard et
+al. 2023, Algorithm 1; Streaming DiLoCo, arXiv:2501.18512).
+
+One sync of fragment p, in two halves so that Streaming DiLoCo can train on while it travels:
+
+    start(p, replicas, step)   pseudogradients delta_k = theta_global - theta_k of the fragment (the guard
+                               leaves non-finite replicas out), encoded with error feedback when compressed,
+                               and the reducer's mean started                              -> InFlightSync
+    finish(sync, replicas)     wait for the mean, outer Nesterov step on the fragment, merge into the
+                               replicas (local <- alpha local + (1 - alpha) global)        -> SyncRecord
+
+`due(step)` says which syncs to finish and which fragments to start after inner step `step`. The engine owns
+the fp32 global copy and outer momentum, the fragments and their schedule, the codecs and error-feedback
+buffers (one per local replica), the syncs in flight and the non-finite guard, and it books bytes in the
+run's `CommLedger`. `muloco train` (trainer.py) and `muloco.DiLoCo` (diloco.py) both drive it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from muloco.compress import Compressor, ErrorFeedback
+from muloco.config import CompressionConfig, OuterConfig, SyncConfig
+from muloco.errors import UserError
+from muloco.models.roles import param_roles
+from muloco.run_state import CommLedger, Progress, WanProjection
+from muloco.sync.codec import PseudogradientCodec
+from muloco.sync.fragments import SyncSchedule, fragment_indices
+from muloco.sync.guard import BadSyncGuard, usable
+from muloco.sync.inflight import InFlightSync, SyncRecord
+from muloco.sync.outer import OuterOptimizer
+from muloco.sync.reduce import Contribution, Mean, Reducer
+from muloco.wan import sync_seconds
+
+log = logging.getLogger("muloco")
+
+
+def global_norm(tensors: list[torch.Tensor]) -> float:
+    """The L2 norm of a list of tensors taken as one vector (one host sync, not one per tensor)."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))).item()
+
+
+def build_codecs(
+    model: nn.Module, fragments: list[list[int]], compression: CompressionConfig | Compressor | None
+) -> list[PseudogradientCodec]:
+    """One codec per fragment: a `compression:` section (skip rules as in `muloco train`), or one
+    compressor for every parameter; none when uncompressed."""
+    names = [name for name, _ in model.named_parameters()]
+    if compression is None or getattr(compression, "scheme", None) == "none":
+        return []
+    if isinstance(compression, Compressor):
+        return [PseudogradientCodec([names[i] for i in f], [compression] * len(f)) for f in fragments]
+    roles = param_roles(model)
+    return [PseudogradientCodec.from_config([names[i] for i in f], roles, compression) for f in fragments]
+
+
+class SyncEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        reducer: Reducer,
+        *,
+        sync: SyncConfig,
+        outer: OuterConfig,
+        compression: CompressionConfig | Compressor | None,
+        local_replicas: int,
+        max_bad_syncs: int,
+        total_steps: int | None = None,
+        outer_device: torch.device | None = None,
+        progress: Progress | None = None,
+        ledger: CommLedger | None = None,
+        wan: WanProjection | None = None,
+    ) -> None:
+        """model: the initial (identical on every replica) parameters; total_steps: the run's length
+        (None: open-ended, the Python API), whose last step syncs every fragment with unsynced steps."""
+        named = list(model.named_parameters())
+        device = outer_device or (named[0][1].device if named else torch.device("cpu"))
+        self.outer = OuterOptimizer(named, outer.lr, outer.momentum, outer.nesterov, device)
+        try:
+            self.fragments = fragment_indices([n for n, _ in named], sync)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        self.codecs = build_codecs(model, self.fragments, compression)
+        ef = compression if isinstance(compression, CompressionConfig) else None
+        self.error_feedback = [
+            ErrorFeedback(ef.ef_decay, ef.ef_alpha) if ef and ef.error_feedback and self.codecs else None
+            for _ in range(local_replicas)
+        ]
+        self.schedule = SyncSchedule(sync.every, sync.fragments, sync.overlap)
+        self.alpha, self.streaming = sync.alpha, sync.streaming
+        self.reducer, self.total_steps = reducer, total_steps
+        self.progress = progress or Progress()
+        self.ledger = ledger or CommLedger(num_params=self.outer.num_params)
+        self.wan = wan
+        self.guard = BadSyncGuard(self.progress, reducer.workers, max_bad_syncs)
+        self.observer = None  # diagnostics (alignment.py): sees every pseudogradient and merge
+        self.in_flight: list[InFlightSync] = []
+        self.unsynced = [False] * len(self.fragments)  # inner steps not yet covered by a started sync
+        shapes = [[self.outer.params[i].shape for i in f] for f in self.fragments]
+        reducer.open(shapes, self.codecs)
+
+    @property
+    def global_params(self) -> list[torch.Tensor]:
+        return self.outer.params
+
+    @property
+    def fragment_syncs(self) -> int:
+        return self.progress.fragment_syncs
+
+    # -- the schedule ---------------------------------------------------------------------------------
+    def next_event(self, step: int) -> int:
+        """The next step at which a sync starts or an in-flight one is applied."""
+        return min([self.schedule.next_start(step), *(s.apply_step for s in self.in_flight)])
+
+    def trained(self) -> None:
+        """The replicas took inner steps that no started sync covers yet."""
+        self.unsynced = [True] * len(self.fragments)
+
+    def due(self, step: int) -> tuple[list[InFlightSync], list[int]]:
+        """After inner step `step`: the syncs in flight to finish now, then the fragments to start. At the
+        run's last step every sync in flight finishes and every fragment with unsynced steps starts, so the
+        final global parameters hold every worker's last steps."""
+        last = self.total_steps is not None and step >= self.total_steps
+        finishing = [s for s in self.in_flight if last or s.apply_step <= step]
+        if last:
+            return finishing, [p for p, unsynced in enumerate(self.unsynced) if unsynced]
+        return finishing, self.schedule.starting_at(step)
+
+    def delay(self, step: int) -> int:
+        """tau, the inner steps a sync started at `step` travels; 0 at the last step."""
+        last = self.total_steps is not None and step >= self.total_steps
+        return 0 if last else self.schedule.overlap
+
+    # -- a sync ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def start(
+        self,
+        fragment: int,
+        replicas: list,
+        step: int,
+        sums: dict[str, tuple[float, int]] | None = None,
+        delay: int | None = None,
+    ) -> InFlightSync:
+        """The fragment's pseudogradients, compressed, and their mean started, to be applied `delay` steps
+        later (default: tau, 0 at the run's last step). Every process calls this for the same fragments in
+        the same order (the reducer's collectives). `sums`: the caller's (sum, count) pairs to report with
+        the sync (e.g. the round's train losses)."""
+        indices = self.fragments[fragment]
+        codec = self.codecs[fragment] if self.codecs else None
+        like = [self.outer.params[i] for i in indices]
+        numel = sum(p.numel() for p in like)
+
+        # Uncompressed: summed over this process's replicas. Compressed: each replica encodes its own
+        # message, exactly what a node would send. The sum of unit vectors gives the mean pairwise cosine:
+        # sum_{j!=k} u_j.u_k = |sum u|^2 - k.
+        with record_function("muloco::pseudogradients"):
+            delta_sum = [torch.zeros_like(p) for p in like] if codec is None else None
+            unit_sum = [torch.zeros_like(p) for p in like] if len(replicas) > 1 else None
+            norms, messages = [], []
+            for position, replica in enumerate(replicas):
+                replica.activate()
+                delta = replica.pseudogradient(self.outer.params, indices)
+                norm = global_norm(delta)
+                if not usable(replica, norm):
+                    self._reset(position, replica, step, norm)
+                    continue
+                norms.append(norm)
+                if unit_sum is not None:
+                    torch._foreach_add_(unit_sum, delta, alpha=1.0 / max(norm, 1e-30))
+                if codec is None:
+                    torch._foreach_add_(delta_sum, delta)
+                else:
+                    messages.append(codec.encode(delta, self.error_feedback[position]))
+                if self.observer is not None:
+                    self.observer.observe(delta)
+                del delta
+                replica.deactivate()
+        self.unsynced[fragment] = False
+        healthy = len(norms)
+        payload = (
+            4.0 * numel if codec is None else (sum(map(len, messages)) / len(messages) if messages else 0.0)
+        )
+        with record_function("muloco::reduce"):
+            contribution = Contribution(
+                fragment, self.progress.fragment_syncs, healthy, like, payload, delta_sum, messages, codec
+            )
+            pending = self.reducer.start_mean(contribution)
+        if payload:
+            self.ledger.payload_by_fragment[fragment] = payload
+        delay = self.delay(step) if delay is None else delay
+        if self.wan is not None and self.wan.link is not None:
+            K = self.reducer.workers or 1
+            self.wan.project(sync_seconds(self.wan.link, payload, K, codec is not None), delay)
+
+        cosine = None
+        if unit_sum is not None and healthy > 1:
+            cosine = (global_norm(unit_sum) ** 2 - healthy) / (healthy * (healthy - 1))
+        stats: dict[str, Any] = {
+            "norm_sum_count": (sum(norms), len(norms)),
+            "pseudograd_cosine": cosine,
+            "payload_bytes": payload,
+            "bits_per_param": round(8 * payload / numel, 4) if payload else None,
+            "alignment": self.observer.stats(like) if self.observer is not None else {},
+            **(sums or {}),
+        }
+        sync = InFlightSync(fragment, step, step + delay, pending, stats)
+        self.in_flight.append(sync)
+        return sync
+
+    def _reset(self, position: int, replica, step: int, norm: float) -> None:
+        """Left out of this sync (the mean is over the healthy replicas) and restarted from the global
+        parameters with a fresh inner state and error-feedback buffer (they may hold the NaN)."""
+        log.warning(
+            "replica=%d step=%d: non-finite loss or pseudogradient (norm %s): left out of this sync and "
+            "reset to the global parameters",
+            *(replica.index, step, norm),
+        )
+        replica.reset_to(self.outer.params)
+        if self.error_feedback[position] is not None:
+            self.error_feedback[position].reset()
+        replica.deactivate()
+
+    @torch.no_grad()
+    def finish(self, sync: InFlightSync, replicas: list) -> SyncRecord:
+        """Wait for the mean, take the outer step on the fragment, merge it into the replicas."""
+        t0 = time.perf_counter()
+        mean: Mean = sync.result.wait()
+        self.ledger.comm_wait_s += time.perf_counter() - t0
+        self.in_flight.remove(sync)
+        indices = self.fragments[sync.fragment]
+
+        # Outer Nesterov step on the fragment's fp32 global parameters (its own momentum buffers). Never
+        # with a non-finite value: without a finite mean the step is skipped.
+        finite = mean.values is not None and math.isfinite(global_norm(mean.values))
+        update_norm = None
+        if finite:
+            with record_function("muloco::outer_step"):
+                update_norm = self.outer.step(mean.values, None if len(self.fragments) == 1 else indices)
+        left_out = mean.left_out if finite else max(mean.left_out, 1)
+        self.guard.record(left_out, f"sync of fragment {sync.fragment} at step {self.progress.steps}")
+        self.progress.fragment_syncs += 1
+        self.progress.outer_steps = self.progress.fragment_syncs // len(self.fragments)
+        self.ledger.count(mean.bytes_sent)
+
+        # Merge: local <- alpha local + (1 - alpha) global (alpha = 0: restart from the global ones).
+        for replica in replicas:
+            if len(self.fragments) == 1 and self.alpha == 0.0:
+                replica.load_global(self.outer.params)
+            else:
+                replica.merge_global(self.outer.params, indices, self.alpha)
+        if self.alpha > 0:
+            self.unsynced[sync.fragment] = True  # the replicas keep part of their own drift
+        if self.observer is not None:
+            self.observer.restart_from(self.outer.params)
+
+        stats = sync.stats
+        fields = {
+            "pseudograd_cosine": stats["pseudograd_cosine"],
+            "outer_update_norm": update_norm,
+            "outer_step": self.progress.outer_steps,
+            "replicas_left_out": left_out,
+            "payload_bytes": stats["payload_bytes"],
+            "bits_per_param": stats["bits_per_param"],
+            **stats["alignment"],
+            **({"fragment": sync.fragment, "started_step": sync.started_step} if self.streaming else {}),
+            **mean.details,
+        }
+        sums = {k: tuple(v) for k, v in stats.items() if k.endswith("_sum_count")}
+        record = SyncRecord(sync.fragment, sync.started_step, self.progress.outer_steps, fields, sums)
+        self.reducer.after_sync(self, mean, replicas)
+        return record
+
+    # -- joining and leaving the run, shared state (a swarm joiner's catch-up) ------------------------
+    def join(self, replicas: list, resumed: bool) -> None:
+        """Before the first round: the reducer joins the run (a swarm joiner loads the swarm's state)."""
+        self.reducer.join(self, replicas, resumed)
+
+    def close(self) -> None:
+        self.reducer.close()
+
+    def export_state(self) -> tuple[list[torch.Tensor], dict[str, int]]:
+        p = self.progress
+        meta = {"step": p.steps, "outer_steps": p.outer_steps, "fragment_syncs": p.fragment_syncs}
+        return [*self.outer.params, *self.outer.momentum_buffers], meta
+
+    def adopt_state(self, tensors: list[torch.Tensor], meta: dict[str, int], replicas: list) -> None:
+        n = len(self.outer.params)
+        self.outer.load_state_dict(
+            {"names": self.outer.names, "params": tensors[:n], "momentum_buffers": tensors[n:]}
+        )
+        p = self.progress
+        p.steps, p.outer_steps, p.fragment_syncs = meta["step"], meta["outer_steps"], meta["fragment_syncs"]
+        p.round_losses = []
+        for replica in replicas:
+            replica.load_global(self.outer.params)
+            replica.inner_steps = p.steps
+
+    def can_adopt(self) -> bool:
+        over = self.total_steps is not None and self.progress.steps >= self.total_steps
+        return not self.in_flight and not over
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "outer": self.outer.state_dict(),
+            "error_feedback": [ef.state_dict() if ef is not None else None for ef in self.error_feedback],
+            "in_flight": [s.state_dict() for s in self.in_flight],
+            "unsynced": list(self.unsynced),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.outer.load_state_dict(state["outer"])
+        for ef, ef_state in zip(self.error_feedback, state["error_feedback"], strict=True):
+            if ef is not None:
+                ef.load_state_dict(ef_state)
+        self.in_flight = [InFlightSync.from_state_dict(s) for s in state["in_flight"]]
+        self.unsynced = list(state["unsynced"])

@@ -1,0 +1,229 @@
+"""The reducer protocol: how the engine averages one fragment's pseudogradients over the run's replicas.
+
+The engine hands a reducer this process's `Contribution` (its healthy replicas' summed fp32 pseudogradients,
+or their encoded messages) and gets a `PendingMean` back at once; `wait()` gives the `Mean`. Streaming
+DiLoCo starts a sync, keeps training for tau inner steps and only then waits. Two implementations:
+
+- `CollectiveReducer` (here): the local backend (simulation) and torch.distributed, with the worker
+  topology (docs/topology.md). Every process calls the same collectives in the same order; the local
+  backend completes at once, torch.distributed waits up to backend.torch.timeout_s.
+- `muloco.comm.hivemind.SwarmReducer`: a hivemind swarm (matchmaking, join and catch-up, state sharing).
+
+A reducer moves tensors and bytes and counts what it sent; it knows nothing about optimizers. The run's
+state it may need (a swarm joiner loads the swarm's global parameters) comes through `SharedState`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from muloco.comm import Backend, CompletedHandle, Handle, ring_allgather_bytes, ring_allreduce_bytes
+from muloco.comm.topology import Topology
+from muloco.errors import UserError
+from muloco.sync.codec import PseudogradientCodec, pack
+
+
+@dataclass
+class Contribution:
+    """This process's part of one fragment's sync."""
+
+    fragment: int
+    progress: int  # fragment syncs the run had done before this one (a swarm matches peers on it)
+    healthy: int  # local replicas that contribute (a non-finite one sends nothing)
+    like: list[torch.Tensor]  # the fragment's global parameters: shapes, dtype and device of the mean
+    payload_bytes: float  # one replica's message: 4 x numel uncompressed, else its encoded length
+    delta_sum: list[torch.Tensor] | None = None  # uncompressed: the sum over the healthy local replicas
+    messages: list[bytes] = field(default_factory=list)  # compressed: one message per healthy replica
+    codec: PseudogradientCodec | None = None
+
+
+@dataclass
+class Mean:
+    values: list[torch.Tensor] | None  # the mean pseudogradient; None when no replica contributed
+    contributors: int
+    left_out: int  # replicas (or swarm peers) whose contribution is not in the mean
+    bytes_sent: float = 0.0  # what this worker sent for the sync
+    details: dict[str, Any] = field(default_factory=dict)  # reducer-specific log fields (e.g. group_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "values": self.values,
+            "contributors": self.contributors,
+            "left_out": self.left_out,
+            "bytes_sent": self.bytes_sent,
+            "details": self.details,
+        }
+
+
+class PendingMean:
+    """A started reduction; `wait()` blocks until it is done and returns the Mean (computed once, kept)."""
+
+    def __init__(self, handle: Handle, finish: Callable[[Any], Mean]) -> None:
+        self._handle, self._finish = handle, finish
+        self._result: Mean | None = None
+
+    def wait(self) -> Mean:
+        if self._result is None:
+            self._result = self._finish(self._handle.wait())
+            self._handle = None  # drop the transfer buffers
+        return self._result
+
+    @classmethod
+    def completed(cls, mean: Mean) -> PendingMean:
+        return cls(CompletedHandle(mean), lambda m: m)
+
+
+class SharedState(Protocol):
+    """What a reducer may read and replace of the run (the engine implements it)."""
+
+    def export_state(self) -> tuple[list[torch.Tensor], dict[str, int]]:
+        """Global parameters + outer momentum, and the step counters."""
+        ...
+
+    def adopt_state(self, tensors: list[torch.Tensor], meta: dict[str, int], replicas: list) -> None:
+        """Continue from another peer's state: global parameters, momentum, counters; replicas restart."""
+        ...
+
+    def can_adopt(self) -> bool:
+        """False while a sync is in flight or the run is over."""
+        ...
+
+    @property
+    def fragment_syncs(self) -> int: ...
+
+
+class Reducer(Protocol):
+    workers: int | None  # K when fixed (collectives); None for a swarm, whose groups come and go
+
+    def local_replicas(self, workers: int) -> list[int]:
+        """The global indices of the replicas this process hosts."""
+        ...
+
+    def open(self, shapes_by_fragment: list[list[torch.Size]], codecs: list[PseudogradientCodec]) -> None:
+        """Set up for these fragments (a swarm starts its DHT and averagers here)."""
+        ...
+
+    def join(self, state: SharedState, replicas: list, resumed: bool) -> None:
+        """Before the first round: a swarm joiner catches up with the swarm; collectives do nothing."""
+        ...
+
+    def start_mean(self, contribution: Contribution) -> PendingMean: ...
+
+    def after_sync(self, state: SharedState, mean: Mean, replicas: list) -> None:
+        """After a sync was applied: a swarm peer that fell behind realigns; collectives do nothing."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class CollectiveReducer:
+    """The mean over all K replicas with collectives: an all-reduce of fp32 sums, or an all-gather of
+    compressed messages that every process decodes in replica order (so all processes, and the
+    simulation, hold the same mean, bit for bit). With workers of R ranks (topology.worker), the lead rank
+    of each worker takes part across workers and broadcasts the mean to its worker's other ranks."""
+
+    def __init__(self, topology: Topology, workers: int) -> None:
+        self.topology, self.workers = topology, workers
+
+    @classmethod
+    def over(cls, backend: Backend, workers: int | None = None) -> CollectiveReducer:
+        """One replica group per process of `backend` (the Python API's case: K = world size)."""
+        topology = Topology(1, backend.world_size, backend.rank, 0, backend, None)
+        return cls(topology, workers or backend.world_size)
+
+    def local_replicas(self, workers: int) -> list[int]:
+        """Worker group g of G hosts replicas [g K/G, (g + 1) K/G)."""
+        G, g = self.topology.num_workers, self.topology.worker_index
+        if workers % G != 0:
+            raise UserError(
+                f"workers ({workers}) must be divisible by the number of processes / ranks_per_worker ({G}); "
+                "change workers"
+            )
+        per_worker = workers // G
+        return list(range(g * per_worker, (g + 1) * per_worker))
+
+    def open(self, shapes_by_fragment: list[list[torch.Size]], codecs: list[PseudogradientCodec]) -> None:
+        pass
+
+    def join(self, state: SharedState, replicas: list, resumed: bool) -> None:
+        pass
+
+    def start_mean(self, contribution: Contribution) -> PendingMean:
+        """Every process calls this for every sync, in the same order (a collective)."""
+        c, K = contribution, self.workers
+        if c.codec is None:
+            sent = ring_allreduce_bytes(c.payload_bytes, K)
+        else:
+            sent = ring_allgather_bytes(c.payload_bytes, K)
+        pending = None
+        if self.topology.sync is not None:  # this rank takes part across workers (R = 1: every rank)
+            if c.codec is None:
+                pending = _start_mean_uncompressed(self.topology.sync, c.delta_sum, c.healthy)
+            else:
+                pending = _start_mean_compressed(self.topology.sync, c.codec, c.messages, K, c.like)
+        if self.topology.worker is not None:
+            pending = _share_with_worker(self.topology.worker, pending, c.like)
+
+        def counted(mean: Mean) -> Mean:
+            mean.left_out, mean.bytes_sent = K - mean.contributors, sent
+            return mean
+
+        return PendingMean(CompletedHandle(None), lambda _: counted(pending.wait()))
+
+    def after_sync(self, state: SharedState, mean: Mean, replicas: list) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _start_mean_uncompressed(
+    backend: Backend, local_sum: list[torch.Tensor], contributors: int
+) -> PendingMean:
+    """fp32: one all-reduce (sum) of this process's sum over its `contributors` healthy replicas, with the
+    count riding along in the same buffer, then / the total count. Overwrites local_sum."""
+    count = torch.tensor([float(contributors)], dtype=local_sum[0].dtype, device=local_sum[0].device)
+    handle = backend.all_reduce_sum([*local_sum, count])
+
+    def finish(total: list[torch.Tensor]) -> Mean:
+        n = int(round(total[-1].item()))
+        return Mean([t.div_(n) for t in total[:-1]] if n > 0 else None, n, 0)
+
+    return PendingMean(handle, finish)
+
+
+def _start_mean_compressed(
+    backend: Backend, codec: PseudogradientCodec, messages: list[bytes], max_replicas: int, like: list
+) -> PendingMean:
+    """Compressed: all-gather every process's messages (one per healthy replica); every process decodes
+    all of them in replica order and averages."""
+    handle = backend.all_gather_bytes(pack(messages))
+
+    def finish(blobs: list[bytes]) -> Mean:
+        values, seen = codec.decode_mean(blobs, max_replicas, like)
+        return Mean(values, seen, 0)
+
+    return PendingMean(handle, finish)
+
+
+def _share_with_worker(worker: Backend, pending: PendingMean | None, like: list[torch.Tensor]) -> PendingMean:
+    """A worker of R ranks: its lead rank (pending is its mean across workers; None on the other ranks)
+    broadcasts the mean and the contributor count to the worker's ranks when waited for. Every rank of the
+    worker calls the broadcast, in the same order."""
+
+    def finish(_) -> Mean:
+        if pending is not None:
+            mean = pending.wait()
+            values = mean.values or [torch.zeros_like(t) for t in like]
+            count = torch.tensor([float(mean.contributors)], device=like[0].device)
+        else:
+            values, count = [torch.empty_like(t) for t in like], torch.zeros(1, device=like[0].device)
+        *values, count = worker.broadcast([*values, count], src=0).wait()
+        n = int(count.item())
+        return Mean(values if n > 0 else None, n, 0)
+
+    return PendingMean(CompletedHandle(None), finish)
