@@ -334,10 +334,10 @@ class TorchBackendConfig(Section):
 
 
 class HivemindBackendConfig(Section):
+    """The hivemind swarm's options: the one schema, passed as is to `muloco.comm.hivemind.HivemindSwarm`."""
+
     run_id: str = Field(
-        "muloco",
-        pattern=r"^[A-Za-z0-9_-]+$",
-        description="Prefix of every DHT key: swarms with different run_ids never mix.",
+        "muloco", description="Prefix of every DHT key: swarms with different run_ids never mix."
     )
     peer_index: int | None = Field(
         None,
@@ -350,7 +350,6 @@ class HivemindBackendConfig(Section):
     )
     host_maddrs: list[str] = Field(
         default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
-        min_length=1,
         description="Where to listen; for other machines e.g. /ip4/0.0.0.0/tcp/31337.",
     )
     announce_maddrs: list[str] = Field(
@@ -362,10 +361,16 @@ class HivemindBackendConfig(Section):
     )
     identity_path: str | None = Field(None, description="Private key file for a persistent peer id.")
     matchmaking_time: float | None = Field(
-        None, gt=0, description="Seconds to gather a group; null: derived from the sync size and bandwidth."
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds to gather a group; null: derived from the sync size and bandwidth.",
     )
     averaging_timeout: float | None = Field(
-        None, gt=0, description="Seconds for the payload exchange; null: derived likewise."
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds for the payload exchange; null: derived likewise.",
     )
     min_group_size: int = Field(2, ge=2, description="Fewer peers than this: no group.")
     target_group_size: int | None = Field(
@@ -375,10 +380,21 @@ class HivemindBackendConfig(Section):
         "apply_own", description="No group in time: apply this peer's own pseudogradient, or skip the step."
     )
     bandwidth_mbps: float | None = Field(
-        None, gt=0, description="This peer's expected upload (Mbit/s), to derive the timeouts."
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="This peer's expected upload (Mbit/s), to derive the timeouts.",
     )
     max_norm_ratio: float = Field(
-        10.0, gt=1, description="Exclude a contribution whose norm exceeds this x the group's median."
+        10.0,
+        gt=1,
+        description="Exclude a contribution whose norm exceeds this x the group's median (.inf: never).",
+    )
+    outer_step_ttl: float = Field(
+        600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds a peer's published outer step counts (it republishes every outer step).",
     )
     join_timeout_s: float = Field(
         60.0,
@@ -391,6 +407,43 @@ class HivemindBackendConfig(Section):
         description="At start, wait until this many peers (this one included) are in the swarm, so they "
         "begin in step; `muloco launch --backend hivemind --nproc N` sets N.",
     )
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_is_a_key_prefix(cls, run_id: str) -> str:
+        if not run_id or not all(c.isascii() and (c.isalnum() or c in "_-") for c in run_id):
+            raise ValueError(f"must be letters, digits, '_' or '-' (it prefixes DHT keys), got {run_id!r}")
+        return run_id
+
+    @field_validator("host_maddrs")
+    @classmethod
+    def _somewhere_to_listen(cls, maddrs: list[str]) -> list[str]:
+        if not maddrs:
+            raise ValueError("must not be empty; listen somewhere, e.g. ['/ip4/0.0.0.0/tcp/0']")
+        return maddrs
+
+    @field_validator(
+        "matchmaking_time",
+        "averaging_timeout",
+        "bandwidth_mbps",
+        "max_norm_ratio",
+        "outer_step_ttl",
+        mode="before",
+    )
+    @classmethod
+    def _not_a_bool(cls, value: object) -> object:
+        if isinstance(value, bool):  # pydantic would read true as 1.0
+            raise ValueError(f"must be a number, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _target_fits_min(self) -> HivemindBackendConfig:
+        if self.target_group_size is not None and self.target_group_size < self.min_group_size:
+            raise ValueError(
+                f"backend.hivemind.target_group_size ({self.target_group_size}) must be null or >= "
+                f"min_group_size ({self.min_group_size}); raise it or lower min_group_size"
+            )
+        return self
 
 
 class BackendConfig(Section):

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from muloco.codec import PseudogradientCodec, pack
 from muloco.compress import get_compressor
+from muloco.sync.codec import PseudogradientCodec, pack
 
 CASES = {"fp32": ("none", 8), "8bit": ("statistical", 8), "4bit": ("statistical", 4)}
 NPROC = 3
@@ -52,14 +52,15 @@ def compressor(case: str):
 
 
 def hivemind_peer(rank: int, reps: int, maddrs_queue, barrier, results) -> None:
-    from muloco.comm.hivemind import HivemindSettings, HivemindSwarm
+    from muloco.comm.hivemind import HivemindSwarm
+    from muloco.config import HivemindBackendConfig
 
     mp.set_start_method("fork", force=True)  # a spawned process inherits "spawn"; hivemind needs fork
     torch.set_num_threads(1)
     shapes = small_gpt_shapes()
     delta = pseudogradient(rank, shapes)
     initial = [] if rank == 0 else maddrs_queue.get(timeout=120)
-    settings = HivemindSettings(
+    settings = HivemindBackendConfig(
         run_id=f"bench-{os.getppid()}", initial_peers=initial, target_group_size=NPROC
     )
     per_tensor = [[compressor(case)] * len(shapes) for case in CASES]

@@ -1,14 +1,11 @@
-"""Options of the hivemind swarm (backend.hivemind) and the timing of its syncs, derived from their size."""
+"""The timing of the hivemind swarm's syncs, derived from their size, and its constants.
+
+The swarm's options are `muloco.config.HivemindBackendConfig` (the config section backend.hivemind)."""
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
-
-from muloco.errors import ConfigError
+from dataclasses import dataclass
 
 # ---- timeouts -------------------------------------------------------------------------------------------
 
@@ -80,85 +77,6 @@ def derive_timeouts(
 def is_loopback(maddrs: Sequence[str]) -> bool:
     """True when every multiaddr is on 127.0.0.0/8 or ::1 (a local swarm: tighter timeout floors)."""
     return all(str(m).startswith(("/ip4/127.", "/ip6/::1/")) for m in maddrs)
-
-
-# ---- settings -------------------------------------------------------------------------------------------
-
-
-def _default_host_maddrs() -> list[str]:
-    return ["/ip4/127.0.0.1/tcp/0"]
-
-
-@dataclass
-class HivemindSettings:
-    """Options of the hivemind swarm (the config section backend.hivemind)."""
-
-    run_id: str = "muloco"  # DHT prefix: swarms with different run_ids never mix, even on one DHT
-    initial_peers: list[str] = field(default_factory=list)  # multiaddrs to join; empty: start a new swarm
-    # Where to listen. Loopback by default (a local swarm); for other machines use "/ip4/0.0.0.0/tcp/PORT".
-    host_maddrs: list[str] = field(default_factory=_default_host_maddrs)
-    announce_maddrs: list[str] = field(default_factory=list)  # public addresses to announce (behind NAT)
-    use_relay: bool = True  # accept relayed connections (libp2p circuit relay; hivemind's default)
-    use_auto_relay: bool = False  # behind NAT: find relays among the peers and be reached through them
-    identity_path: str | None = None  # private key file: a persistent peer id (created if missing)
-    matchmaking_time: float | None = None  # seconds a leader gathers its group; None: derive_timeouts
-    averaging_timeout: float | None = None  # seconds for the payload exchange; None: derive_timeouts
-    min_group_size: int = 2  # fewer peers than this: no group
-    target_group_size: int | None = None  # a group starts as soon as it has this many; None: no limit
-    on_no_group: Literal["apply_own", "skip"] = "apply_own"  # no group in time: own contribution, or none
-    bandwidth_mbps: float | None = None  # this peer's expected upload (Mbit/s), for derive_timeouts
-    max_norm_ratio: float = 10.0  # exclude a contribution whose norm > ratio x the group's (lower) median
-    outer_step_ttl: float = 600.0  # seconds a published outer step counts as a live peer's
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.run_id, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", self.run_id):
-            raise ConfigError(
-                f"backend.hivemind.run_id must be letters, digits, '_' or '-' (it prefixes DHT keys), "
-                f"got {self.run_id!r}"
-            )
-        for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
-            value = getattr(self, name)
-            if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
-                raise ConfigError(
-                    f"backend.hivemind.{name} must be a list of multiaddr strings, got {value!r}"
-                )
-        if not self.host_maddrs:
-            raise ConfigError("backend.hivemind.host_maddrs must not be empty (e.g. /ip4/0.0.0.0/tcp/0)")
-        for name in ("matchmaking_time", "averaging_timeout", "bandwidth_mbps"):
-            value = getattr(self, name)
-            if value is not None and not (_is_number(value) and value > 0):
-                raise ConfigError(f"backend.hivemind.{name} must be a positive number or null, got {value!r}")
-        if not _is_number(self.outer_step_ttl) or self.outer_step_ttl <= 0:
-            raise ConfigError(
-                f"backend.hivemind.outer_step_ttl must be positive, got {self.outer_step_ttl!r}"
-            )
-        if not _is_int(self.min_group_size) or self.min_group_size < 2:
-            raise ConfigError(
-                f"backend.hivemind.min_group_size must be an integer >= 2, got {self.min_group_size!r}"
-            )
-        if self.target_group_size is not None and not (
-            _is_int(self.target_group_size) and self.target_group_size >= self.min_group_size
-        ):
-            raise ConfigError(
-                f"backend.hivemind.target_group_size must be null or an integer >= min_group_size "
-                f"({self.min_group_size}), got {self.target_group_size!r}"
-            )
-        if self.on_no_group not in ("apply_own", "skip"):
-            raise ConfigError(
-                f"backend.hivemind.on_no_group must be apply_own or skip, got {self.on_no_group!r}"
-            )
-        if (
-            not (_is_number(self.max_norm_ratio) or self.max_norm_ratio == math.inf)
-            or self.max_norm_ratio <= 1
-        ):
-            raise ConfigError(
-                f"backend.hivemind.max_norm_ratio must be a number > 1 (inf disables the check), "
-                f"got {self.max_norm_ratio!r}"
-            )
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _is_int(x) -> bool:

@@ -1,9 +1,9 @@
-"""A hivemind swarm peer driven over stdin/stdout, for tests/comm/test_hivemind_backend.py.
+"""A hivemind swarm peer driven over stdin/stdout, for tests/comm/hivemind/test_swarm.py.
 
 One JSON command per line on stdin, one JSON reply per line on the protocol stream (the original stdout;
 fd 1 is pointed at stderr so that library output cannot corrupt the protocol). Commands:
 
-    {"cmd": "open", "settings": {...HivemindSettings}, "shapes": [[8, 16], [16]],
+    {"cmd": "open", "settings": {...backend.hivemind}, "shapes": [[8, 16], [16]],
      "compression": null | {"scheme": "statistical", "bits": 4}}  -> {"visible_maddrs", "peer_id", "timeouts"}
     {"cmd": "average", "step": 3, "tensors": [[...], ...], "tamper": null | "nan_payload" | ...}
                                                                   -> AverageResult as JSON, plus "elapsed_s"
@@ -30,11 +30,12 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from muloco.comm.hivemind import HivemindSettings, HivemindSwarm, wrap_payload
+from muloco.comm.hivemind import HivemindSwarm, wrap_payload
+from muloco.comm.hivemind.exchange import _Contribution
 from muloco.comm.hivemind.payloads import payload_token
-from muloco.comm.hivemind.swarm import _Contribution
 from muloco.compress import NoCompression, get_compressor
 from muloco.compress.wire import Header, assemble
+from muloco.config import HivemindBackendConfig
 
 STALL_MARKER = "hivemind_peer: stalled while serving payloads"
 
@@ -69,7 +70,7 @@ class Peer:
     def open(self, settings: dict, shapes: list[list[int]], compression: dict | None) -> dict:
         comp = get_compressor(**compression) if compression else None
         self.shapes = shapes
-        self.swarm = HivemindSwarm(HivemindSettings(**settings), [[torch.Size(s) for s in shapes]], comp)
+        self.swarm = HivemindSwarm(HivemindBackendConfig(**settings), [[torch.Size(s) for s in shapes]], comp)
         t = self.swarm.timeouts[0]
         return {
             "visible_maddrs": self.swarm.visible_maddrs,
@@ -85,14 +86,14 @@ class Peer:
     def average(self, step: int, tensors: list, tamper: str | None = None) -> dict:
         t0 = time.monotonic()
         if tamper == "stall_serving":
-            self.swarm._served[0] = StalledServing(self.swarm._served[0])
+            self.swarm.payloads.served[0] = StalledServing(self.swarm.payloads.served[0])
         if tamper == "nan_payload":
             # Skips the sender's own checks (start_average would withhold it): only receivers can catch it.
             payloads = [nan_payload(torch.Size(s)) for s in self.shapes]
             messages = [wrap_payload(p) for p in payloads]
             decoded = [NoCompression().decode(p) for p in payloads]
             own = _Contribution(step, messages, decoded, None, payload_token(messages))
-            handle = self.swarm._launch(0, own, 0.0)
+            handle = self.swarm.fragments[0].launch(own, 0.0)
         else:
             handle = self.swarm.start_average(0, to_tensors(tensors, self.shapes), step)
         r = handle.wait()

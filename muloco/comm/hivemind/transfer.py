@@ -1,0 +1,178 @@
+"""Payloads between the members of a group (step 3 of a sync, see exchange.py): each peer serves its own
+over hivemind's P2P under a token (a hash of the payloads), and downloads the other members' by token; a
+download counts once it matches its token, decodes and passes the checks of combine.py."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+import torch
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from muloco.comm.hivemind.combine import contribution_problem
+from muloco.comm.hivemind.payloads import MulocoCompression, payload_token
+from muloco.comm.hivemind.settings import HANDLE_SLACK_S
+from muloco.compress import CompressionError
+
+log = logging.getLogger("muloco")
+
+CHUNK_BYTES = 1 << 20  # payload stream chunks (hivemind's stream messages have no size limit)
+SERVED_SYNCS = 2  # payloads kept per fragment: a fast peer may start its next sync while others download
+# A download counts as served once the handler has handed its last chunk to the p2p daemon, before the peer
+# has it: close() waits this much longer before shutting the daemon down.
+DELIVERY_GRACE_S = 0.5
+
+
+def handler_name(run_id: str, fragment: int) -> str:
+    """The P2P handler that serves fragment `fragment`'s payloads (the same name on every peer)."""
+    return f"muloco_{run_id}_fragment{fragment}_payloads"
+
+
+class PayloadServer:
+    """This peer's side of the exchange: its payloads by fragment and token, and the downloads of them
+    that its recent groups still owe. `serve` runs on the P2P loop; the rest is called from the syncs and
+    from close(), so every access holds `lock`."""
+
+    def __init__(self, fragments: int) -> None:
+        self.lock = threading.Lock()
+        self.served: list[OrderedDict[bytes, list[runtime_pb2.Tensor]]] = [
+            OrderedDict() for _ in range(fragments)
+        ]
+        # Downloads of this peer's payloads that its last groups still owe: token -> [left, deadline].
+        # close() serves them before it stops, so a run's last sync is not cut off for slower members.
+        self.owed: dict[bytes, list[float]] = {}
+
+    def offer(self, fragment: int, token: bytes, messages: list[runtime_pb2.Tensor]) -> None:
+        """Serve `messages` under `token` until SERVED_SYNCS newer syncs of this fragment replace them."""
+        with self.lock:
+            served = self.served[fragment]
+            served[token] = messages
+            while len(served) > SERVED_SYNCS:
+                served.popitem(last=False)
+
+    def owe(self, token: bytes, downloads: int, within_s: float) -> None:
+        """A group formed: `downloads` members will fetch `token`'s payloads within `within_s` seconds."""
+        with self.lock:
+            now = time.monotonic()
+            self.owed = {k: v for k, v in self.owed.items() if v[0] > 0 and v[1] > now}
+            self.owed[token] = [downloads, now + within_s]
+
+    async def serve(
+        self, fragment: int, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """P2P handler: stream the payloads whose token the requester names (request.metadata)."""
+        with self.lock:
+            messages = self.served[fragment].get(bytes(request.metadata))
+        if messages is None:
+            return  # an empty stream: the requester records "payload unavailable"
+        for message in messages:
+            for part in split_for_streaming(message, CHUNK_BYTES):
+                yield averaging_pb2.DownloadData(tensor_part=part)
+        with self.lock:
+            owed = self.owed.get(bytes(request.metadata))
+            if owed is not None:
+                owed[0] -= 1
+
+    def serve_what_is_owed(self) -> None:
+        """Keep serving until every member of this peer's recent groups has downloaded its payloads, or
+        their averaging_timeout has passed: a fast peer ending its run must not cut the last sync's
+        downloads of slower members short (over a slow link they take seconds)."""
+        started = time.monotonic()
+        with self.lock:
+            recent = any(deadline > started for _, deadline in self.owed.values())
+        while True:
+            with self.lock:
+                waiting = [d for left, d in self.owed.values() if left > 0 and d > time.monotonic()]
+            if not waiting:
+                break
+            time.sleep(0.05)
+        if recent:
+            time.sleep(DELIVERY_GRACE_S)
+        if time.monotonic() - started > 0.1:
+            log.info(
+                "hivemind: served the last sync's payloads for %.1f s before leaving",
+                time.monotonic() - started,
+            )
+
+
+async def _download(p2p, name: str, peer: PeerID, token: bytes, limit: int) -> list[runtime_pb2.Tensor]:
+    """One member's payloads; a stream of more than `limit` bytes is cut off (a bad peer)."""
+    stream = await p2p.iterate_protobuf_handler(
+        peer, name, averaging_pb2.DownloadData(metadata=token), averaging_pb2.DownloadData
+    )
+    messages, parts, received = [], [], 0
+    async for reply in stream:
+        part = reply.tensor_part
+        received += len(part.buffer)
+        if received > limit:
+            raise CompressionError(f"sent more than the {limit} bytes this fragment's payloads take")
+        if part.dtype and parts:  # a set dtype starts the next tensor (hivemind's streaming convention)
+            messages.append(combine_from_streaming(parts))
+            parts = []
+        parts.append(part)
+    if parts:
+        messages.append(combine_from_streaming(parts))
+    return messages
+
+
+def download_all(
+    loop, p2p, name: str, tokens: dict[PeerID, bytes], *, limit: int, timeout: float
+) -> dict[PeerID, list[runtime_pb2.Tensor] | str]:
+    """Every member's payloads from handler `name`, concurrently on `loop` (lifecycle._EventLoopThread),
+    each within `timeout`; failures as reasons. Blocks at most timeout + HANDLE_SLACK_S."""
+
+    async def one(peer: PeerID, token: bytes):
+        try:
+            return await asyncio.wait_for(_download(p2p, name, peer, token, limit), timeout)
+        except asyncio.TimeoutError:
+            return f"download timed out after {timeout:.1f} s"
+        except Exception as exc:  # the peer left, refused, or streamed garbage
+            return f"download failed: {type(exc).__name__}: {exc}"
+
+    async def all_of_them():
+        results = await asyncio.gather(*(one(p, t) for p, t in tokens.items()))
+        return dict(zip(tokens, results, strict=True))
+
+    if not tokens:
+        return {}
+    try:
+        return loop.run(all_of_them(), timeout=timeout + HANDLE_SLACK_S)
+    except (concurrent.futures.TimeoutError, RuntimeError):  # RuntimeError: the swarm was closed
+        return {p: "download did not finish" for p in tokens}
+
+
+def decode_payloads(
+    codecs: list[MulocoCompression], messages: list[runtime_pb2.Tensor]
+) -> list[torch.Tensor]:
+    """One contribution's tensors decoded with the fragment's codecs; CompressionError if they do not fit."""
+    if len(messages) != len(codecs):
+        raise CompressionError(f"{len(messages)} payloads, expected {len(codecs)}")
+    return [codec.extract(m) for codec, m in zip(codecs, messages, strict=True)]
+
+
+def checked_download(
+    got: list[runtime_pb2.Tensor] | str,
+    token: bytes,
+    codecs: list[MulocoCompression],
+    shapes: list[torch.Size],
+) -> list[torch.Tensor] | str:
+    """A member's decoded, checked contribution, or why it is excluded."""
+    if isinstance(got, str):
+        return got  # the download failed
+    if not got:
+        return "payload unavailable (the peer left, or no longer serves it)"
+    if payload_token(got) != token:
+        return "payloads do not match the token the peer announced"
+    try:
+        decoded = decode_payloads(codecs, got)
+    except CompressionError as exc:
+        return f"undecodable: {exc}"
+    return contribution_problem(decoded, shapes) or decoded
