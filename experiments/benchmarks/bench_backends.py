@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from muloco.sync.codec import PseudogradientCodec, pack
 from muloco.comm import ring_allgather_bytes, ring_allreduce_bytes
 from muloco.comm.torch_dist import TorchDistBackend
 from muloco.config import CompressionConfig, ModelConfig
 from muloco.models import build_model, param_roles
+from muloco.sync.codec import PseudogradientCodec, pack
 
 CASES = ["fp32", "8bit", "4bit", "2bit"]
 
