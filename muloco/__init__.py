@@ -3,7 +3,7 @@
 Map of the package (arrows point down only; see DESIGN.md):
     cli.py -> trainer.py (loop) -> sync/ (the engine) -> compress/, comm/ (reducers, backends)
     diloco.py (DiLoCo, the Python API) -> sync/
-    config.py (the schema), models/, data/, optim/, replica.py, dp.py, run_state.py, checkpoint.py
+    config/ (the schema), models/, data/, optim/, replica.py, dp.py, run_state.py, checkpoint.py
 """
 
 from __future__ import annotations

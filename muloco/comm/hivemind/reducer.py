@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import torch
 
-from muloco.comm import CompletedHandle
 from muloco.config import HivemindBackendConfig
 from muloco.errors import UserError
 from muloco.launch import die_with_parent
@@ -171,5 +170,3 @@ class SwarmReducer:
         if self.swarm is not None:
             self.swarm.close()
 
-
-__all__ = ["SwarmReducer", "peer_index", "CompletedHandle"]

@@ -1,0 +1,80 @@
+"""The config schema: the single source of truth for every option (DESIGN.md, "Config keys").
+
+- `sections.py`: the training sections (run, model with `MODEL_PRESETS`, data, train, inner, outer, sync,
+  compression) and `Section`, their base (unknown keys are errors).
+- `runtime.py`: backends (local, torch, hivemind: the swarm's only schema), simulation, diagnostics, logging,
+  checkpoint.
+- `schema.py`: `Config`, the whole file: checks across sections, derived quantities, the fingerprint.
+- `loading.py`: YAML file -> `extends:` chain merged -> dotted `KEY=VALUE` overrides -> validation; every
+  failure is a one-line `ConfigError` naming the field (dotted path) and the fix (`load_config`).
+
+docs/configuration.md is generated from these classes by scripts/gen_config_docs.py.
+"""
+
+from muloco.config.loading import (
+    _did_you_mean,
+    apply_overrides,
+    deep_merge,
+    load_config,
+    load_raw,
+    parse_override,
+    read_yaml,
+    validate,
+)
+from muloco.config.runtime import (
+    BackendConfig,
+    CheckpointConfig,
+    DiagnosticsConfig,
+    HivemindBackendConfig,
+    LocalBackendConfig,
+    LoggingConfig,
+    SimulationConfig,
+    TorchBackendConfig,
+)
+from muloco.config.schema import Config
+from muloco.config.sections import (
+    MODEL_PRESETS,
+    AdamWConfig,
+    CompressionConfig,
+    DataConfig,
+    InnerConfig,
+    ModelConfig,
+    OuterConfig,
+    RunConfig,
+    Section,
+    SyncConfig,
+    TrainConfig,
+)
+from muloco.errors import ConfigError
+
+__all__ = [
+    "MODEL_PRESETS",
+    "AdamWConfig",
+    "BackendConfig",
+    "CheckpointConfig",
+    "CompressionConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DiagnosticsConfig",
+    "HivemindBackendConfig",
+    "InnerConfig",
+    "LocalBackendConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OuterConfig",
+    "RunConfig",
+    "Section",
+    "SimulationConfig",
+    "SyncConfig",
+    "TorchBackendConfig",
+    "TrainConfig",
+    "_did_you_mean",
+    "apply_overrides",
+    "deep_merge",
+    "load_config",
+    "load_raw",
+    "parse_override",
+    "read_yaml",
+    "validate",
+]

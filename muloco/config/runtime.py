@@ -1,0 +1,195 @@
+"""The runtime sections of the config: backends (local, torch, hivemind), simulation, diagnostics,
+logging, checkpoints."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from muloco.config.sections import Section
+
+
+class LocalBackendConfig(Section):
+    bandwidth_mbps: float | None = Field(
+        None,
+        gt=0,
+        description="WAN planner: project the run's wall-clock as if each worker had this upload "
+        "bandwidth (Mbit/s); reported in summary.json as projected_*. null = no projection.",
+    )
+    latency_ms: float = Field(
+        0.0, ge=0, description="WAN planner: one-way latency per ring hop (ms), with bandwidth_mbps."
+    )
+
+
+class TorchBackendConfig(Section):
+    timeout_s: float = Field(
+        300.0, gt=0, description="How long a collective waits for a missing rank before the run stops."
+    )
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="auto: nccl on CUDA, else gloo."
+    )
+
+
+class HivemindBackendConfig(Section):
+    """The hivemind swarm's options: the one schema, passed as is to `muloco.comm.hivemind.HivemindSwarm`."""
+
+    run_id: str = Field(
+        "muloco", description="Prefix of every DHT key: swarms with different run_ids never mix."
+    )
+    peer_index: int | None = Field(
+        None,
+        ge=0,
+        description="This peer's replica index r < workers (its data shard); null: the RANK the launcher "
+        "sets, else 0. Give every peer of a swarm its own.",
+    )
+    initial_peers: list[str] = Field(
+        default_factory=list, description="Multiaddrs of peers to join; empty: start a new swarm."
+    )
+    host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
+        description="Where to listen; for other machines e.g. /ip4/0.0.0.0/tcp/31337.",
+    )
+    announce_maddrs: list[str] = Field(
+        default_factory=list, description="Public addresses to announce (behind NAT / port forwarding)."
+    )
+    use_relay: bool = Field(True, description="Accept relayed connections (libp2p circuit relay).")
+    use_auto_relay: bool = Field(
+        False, description="Behind NAT: be reached through relays found among the peers."
+    )
+    identity_path: str | None = Field(None, description="Private key file for a persistent peer id.")
+    matchmaking_time: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds to gather a group; null: derived from the sync size and bandwidth.",
+    )
+    averaging_timeout: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds for the payload exchange; null: derived likewise.",
+    )
+    min_group_size: int = Field(2, ge=2, description="Fewer peers than this: no group.")
+    target_group_size: int | None = Field(
+        None, ge=2, description="A group starts as soon as it has this many peers; null: no limit."
+    )
+    on_no_group: Literal["apply_own", "skip"] = Field(
+        "apply_own", description="No group in time: apply this peer's own pseudogradient, or skip the step."
+    )
+    bandwidth_mbps: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="This peer's expected upload (Mbit/s), to derive the timeouts.",
+    )
+    max_norm_ratio: float = Field(
+        10.0,
+        gt=1,
+        description="Exclude a contribution whose norm exceeds this x the group's median (.inf: never).",
+    )
+    outer_step_ttl: float = Field(
+        600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds a peer's published outer step counts (it republishes every outer step).",
+    )
+    join_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long a joining peer waits for the swarm's state (and for wait_for_peers).",
+    )
+    wait_for_peers: int = Field(
+        1,
+        ge=1,
+        description="At start, wait until this many peers (this one included) are in the swarm, so they "
+        "begin in step; `muloco launch --backend hivemind --nproc N` sets N.",
+    )
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_is_a_key_prefix(cls, run_id: str) -> str:
+        if not run_id or not all(c.isascii() and (c.isalnum() or c in "_-") for c in run_id):
+            raise ValueError(f"must be letters, digits, '_' or '-' (it prefixes DHT keys), got {run_id!r}")
+        return run_id
+
+    @field_validator("host_maddrs")
+    @classmethod
+    def _somewhere_to_listen(cls, maddrs: list[str]) -> list[str]:
+        if not maddrs:
+            raise ValueError("must not be empty; listen somewhere, e.g. ['/ip4/0.0.0.0/tcp/0']")
+        return maddrs
+
+    @field_validator(
+        "matchmaking_time",
+        "averaging_timeout",
+        "bandwidth_mbps",
+        "max_norm_ratio",
+        "outer_step_ttl",
+        mode="before",
+    )
+    @classmethod
+    def _not_a_bool(cls, value: object) -> object:
+        if isinstance(value, bool):  # pydantic would read true as 1.0
+            raise ValueError(f"must be a number, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _target_fits_min(self) -> HivemindBackendConfig:
+        if self.target_group_size is not None and self.target_group_size < self.min_group_size:
+            raise ValueError(
+                f"backend.hivemind.target_group_size ({self.target_group_size}) must be null or >= "
+                f"min_group_size ({self.min_group_size}); raise it or lower min_group_size"
+            )
+        return self
+
+
+class BackendConfig(Section):
+    kind: Literal["local", "torch", "hivemind"] = Field(
+        "local",
+        description="local: all replicas in this process; torch: torch.distributed, one process per rank "
+        "(`muloco launch --nproc N` or torchrun; under torchrun `local` switches to `torch` by itself); "
+        "hivemind: one peer of a decentralized swarm (docs/backends.md).",
+    )
+    local: LocalBackendConfig = Field(default_factory=LocalBackendConfig)
+    torch: TorchBackendConfig = Field(default_factory=TorchBackendConfig)
+    hivemind: HivemindBackendConfig = Field(default_factory=HivemindBackendConfig)
+
+
+class SimulationConfig(Section):
+    offload: bool = Field(
+        False, description="Keep inactive replicas' parameters and optimizer state on the CPU (CUDA runs)."
+    )
+
+
+class DiagnosticsConfig(Section):
+    alignment: bool = Field(
+        False,
+        description="Log how the workers' pseudogradients align with each other and with one replica "
+        "trained on the union of their batches (muloco/alignment.py); doubles the compute; simulation only.",
+    )
+
+
+class LoggingConfig(Section):
+    wandb: bool = Field(False, description="Log to Weights & Biases (offline when no API key is set).")
+    wandb_project: str = Field("muloco", description="wandb project.")
+    wandb_group: str | None = Field(None, description="wandb group (sweeps set it).")
+    progress: Literal["auto", "bar", "lines", "off"] = Field(
+        "auto", description="auto: a progress bar on a terminal, plain log lines otherwise."
+    )
+
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _yaml_off_is_false(cls, value: object) -> object:
+        # YAML 1.1 reads a bare `off` / `on` as a bool.
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
+
+
+class CheckpointConfig(Section):
+    every: int = Field(
+        0, ge=0, description="Every N outer steps (dp: N steps); 0 = at the end and on interrupt only."
+    )
+    keep: int = Field(2, gt=0, description="How many checkpoints to keep.")
+    resume: str = Field(
+        "auto", description="auto: newest valid checkpoint of this run dir, if any; never; or a path."
+    )

@@ -1,0 +1,162 @@
+"""`Config`: the whole schema, its cross-section checks, derived quantities and fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, model_validator
+
+from muloco.config.runtime import (
+    BackendConfig,
+    CheckpointConfig,
+    DiagnosticsConfig,
+    LoggingConfig,
+    SimulationConfig,
+)
+from muloco.config.sections import (
+    CompressionConfig,
+    DataConfig,
+    InnerConfig,
+    ModelConfig,
+    OuterConfig,
+    RunConfig,
+    Section,
+    SyncConfig,
+    TrainConfig,
+)
+
+
+class Config(Section):
+    """A whole run. Sections as in DESIGN.md."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    method: Literal["diloco", "dp"] = Field(
+        "diloco", description="diloco (MuLoCo = diloco + muon) | dp (data-parallel baseline)."
+    )
+    workers: int = Field(1, gt=0, description="K: total replicas in the run.")
+    ranks_per_worker: int = Field(
+        1,
+        gt=0,
+        description="R: processes per DiLoCo worker (docs/topology.md). They split each inner step's "
+        "micro-batches and all-reduce gradients every step; only the worker's first rank syncs "
+        "pseudogradients with the other workers. Launch K/k x R processes.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when present, else CPU.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    inner: InnerConfig = Field(default_factory=InnerConfig)
+    outer: OuterConfig = Field(default_factory=OuterConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+    simulation: SimulationConfig = Field(default_factory=SimulationConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> Config:
+        seq_len, workers = self.model.seq_len, self.workers
+        unit = workers * seq_len
+        if self.train.batch_tokens % unit != 0:
+            nearest = max(unit, round(self.train.batch_tokens / unit) * unit)
+            raise ValueError(
+                f"train.batch_tokens ({self.train.batch_tokens}) must be a multiple of workers x "
+                f"model.seq_len ({workers} x {seq_len} = {unit}); use e.g. {nearest}"
+            )
+        micro = self.train.micro_batch_tokens
+        per_worker = self.train.batch_tokens // workers
+        if micro is not None and (micro % seq_len != 0 or per_worker % micro != 0):
+            raise ValueError(
+                f"train.micro_batch_tokens ({micro}) must be a multiple of model.seq_len ({seq_len}) that "
+                f"divides a worker's batch ({per_worker} tokens)"
+            )
+        if self.train.total_tokens < self.train.batch_tokens:
+            raise ValueError(
+                f"train.total_tokens ({self.train.total_tokens}) is smaller than one step "
+                f"(train.batch_tokens = {self.train.batch_tokens}); raise it"
+            )
+        if self.ranks_per_worker > 1:
+            if self.method == "dp":
+                raise ValueError(
+                    "ranks_per_worker applies to method: diloco (with method: dp every process is a data-"
+                    "parallel rank already); set ranks_per_worker=1"
+                )
+            micro = self.train.micro_batch_tokens or self.worker_batch_tokens
+            if (self.worker_batch_tokens // micro) % self.ranks_per_worker != 0:
+                raise ValueError(
+                    f"ranks_per_worker ({self.ranks_per_worker}) must divide a worker's micro-batches per "
+                    f"step ({self.worker_batch_tokens // micro}); set train.micro_batch_tokens to fit"
+                )
+        if self.backend.kind == "hivemind" and (self.method == "dp" or self.ranks_per_worker > 1):
+            raise ValueError(
+                "backend.kind=hivemind runs method: diloco with one process per worker (ranks_per_worker=1); "
+                "use backend.kind=torch for method: dp or workers of several ranks"
+            )
+        if self.method == "dp" and self.sync.streaming:
+            raise ValueError(
+                "sync.fragments/overlap/alpha (Streaming DiLoCo) apply to method: diloco; with method: dp "
+                "keep sync.fragments=1, sync.overlap=0, sync.alpha=0"
+            )
+        if self.method == "dp" and self.compression.scheme != "none":
+            raise ValueError(
+                "compression applies to pseudogradients (method: diloco); with method: dp set "
+                "compression.scheme=none"
+            )
+        if self.diagnostics.alignment and (
+            self.method == "dp" or self.backend.kind != "local" or self.sync.streaming
+        ):
+            raise ValueError(
+                "diagnostics.alignment needs method: diloco on backend.kind=local without streaming "
+                "(sync.fragments=1, sync.overlap=0, sync.alpha=0); set diagnostics.alignment=false"
+            )
+        if self.data.source == "tokens" and (self.data.path is None or self.data.vocab_size is None):
+            raise ValueError(
+                "data.source: tokens needs data.path (a directory with train.bin) and data.vocab_size"
+            )
+        if self.data.source == "text" and self.data.path is None:
+            raise ValueError("data.source: text needs data.path (files, a directory or a glob)")
+        return self
+
+    # -- derived quantities --------------------------------------------------------------------------
+    @property
+    def worker_batch_tokens(self) -> int:
+        return self.train.batch_tokens // self.workers
+
+    @property
+    def total_steps(self) -> int:
+        """Inner steps in the run (every worker takes each step)."""
+        return self.train.total_tokens // self.train.batch_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def fingerprint(
+        self,
+        exclude: tuple[str, ...] = (
+            "run",
+            "logging",
+            "checkpoint",
+            "backend",
+            "simulation",
+            "device",
+            "diagnostics",
+        ),
+    ) -> str:
+        """Hash of the settings that change the maths, to tell checkpoints and ranks apart. Where the
+        replicas run (backend, simulation, device, train.threads) and what is logged when are left out:
+        a run may resume on another layout or with other logging."""
+        data = {k: v for k, v in self.to_dict().items() if k not in exclude}
+        for key in ("threads", "log_every", "eval_every", "eval_tokens", "max_bad_syncs"):
+            data["train"].pop(key, None)
+        # Keys added after checkpoints existed count only when set, so older checkpoints still resume.
+        if data["model"].get("qkv") == "fused":
+            del data["model"]["qkv"]
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,299 @@
+"""The training sections of the config: run, model, data, train, inner, outer, sync, compression."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from muloco.compress.bits import QUANT_BITS, TOPK_VALUE_BITS, one_of
+
+
+class Section(BaseModel):
+    """Base for every section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field("run", description="Run name; the run directory is `<output_dir>/<name>/`.")
+    output_dir: str = Field("runs", description="Parent directory of run directories.")
+    seed: int = Field(0, description="Seed for model init, data order and every replica's RNG.")
+
+
+# Size presets: (d_model, n_layers, n_heads). Parameter counts are for the byte-level vocab (256).
+MODEL_PRESETS: dict[str, tuple[int, int, int]] = {
+    "pico": (64, 3, 4),  # ~0.19M: hundreds of outer steps in minutes on a CPU (docs/results.md)
+    "nano": (128, 4, 4),  # ~0.86M parameters
+    "micro": (256, 4, 4),  # ~3.3M
+    "small": (384, 6, 6),  # ~10.8M
+    "medium": (512, 6, 8),  # ~19.2M (the Muon benchmark's shape: 24 matrices, 18.9M matrix parameters)
+    "base": (768, 12, 12),  # ~85M
+}
+
+
+class ModelConfig(Section):
+    preset: Literal["pico", "nano", "micro", "small", "medium", "base"] = Field(
+        "micro", description="Size preset; `d_model`, `n_layers`, `n_heads` override its values."
+    )
+    d_model: int | None = Field(None, gt=0, description="Width. Default: from the preset.")
+    n_layers: int | None = Field(None, gt=0, description="Number of transformer blocks. Default: preset.")
+    n_heads: int | None = Field(
+        None, gt=0, description="Attention heads; must divide d_model. Default: preset."
+    )
+    seq_len: int = Field(256, gt=0, description="Context length in tokens.")
+    mlp_ratio: int = Field(4, gt=0, description="MLP hidden width = mlp_ratio x d_model.")
+    norm: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="Normalization layer.")
+    qkv: Literal["fused", "split"] = Field(
+        "fused",
+        description="Attention's query/key/value weights: one (3C, C) matrix, or three (C, C) ones as in "
+        "Llama (the MuLoCo paper's models); Muon orthogonalizes each matrix as a whole.",
+    )
+
+    @model_validator(mode="after")
+    def _fill_from_preset(self) -> ModelConfig:
+        d_model, n_layers, n_heads = MODEL_PRESETS[self.preset]
+        # object.__setattr__ avoids re-running validation on each assignment.
+        if self.d_model is None:
+            object.__setattr__(self, "d_model", d_model)
+        if self.n_layers is None:
+            object.__setattr__(self, "n_layers", n_layers)
+        if self.n_heads is None:
+            object.__setattr__(self, "n_heads", n_heads)
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}); "
+                "change one of them"
+            )
+        return self
+
+
+class DataConfig(Section):
+    source: Literal["builtin", "tokens", "text"] = Field(
+        "builtin",
+        description="builtin: the Python stdlib source of this interpreter, byte-level (made offline); "
+        "tokens: nanoGPT-style `train.bin`/`val.bin` token memmaps; text: UTF-8 files, byte-level.",
+    )
+    path: str | list[str] | None = Field(
+        None,
+        description="tokens: a directory holding train.bin and val.bin; text: a file, directory or glob "
+        "(or a list of them).",
+    )
+    dtype: Literal["uint16", "uint32"] = Field("uint16", description="tokens: the dtype of the .bin files.")
+    vocab_size: int | None = Field(None, gt=0, description="tokens: the vocabulary size (required).")
+    val_fraction: float = Field(
+        0.05, gt=0, lt=1, description="builtin/text: the fraction of files (by hash of the path) held out."
+    )
+    cache_dir: str | None = Field(
+        None, description="Where the builtin corpus is cached. Default: $MULOCO_CACHE or ~/.cache/muloco."
+    )
+
+
+class TrainConfig(Section):
+    total_tokens: int = Field(2_000_000, gt=0, description="Training budget in tokens, summed over workers.")
+    batch_tokens: int = Field(
+        16384, gt=0, description="Global tokens per inner step, split evenly over the K workers."
+    )
+    micro_batch_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Tokens per forward/backward pass (gradient accumulation); default: a worker's batch.",
+    )
+    warmup_steps: int = Field(20, ge=0, description="Linear lr warmup, in inner steps.")
+    lr_schedule: Literal["cosine", "constant"] = Field(
+        "cosine", description="Inner lr schedule after warmup (multiplies every group's lr)."
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr as a fraction of the peak.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the gradient norm per replica; 0 disables.")
+    eval_every: int = Field(
+        60,
+        ge=0,
+        description="Eval every N inner steps (DiLoCo: at the next sync); 0 = only at start and end.",
+    )
+    eval_tokens: int = Field(65536, gt=0, description="Tokens of the fixed validation set used per eval.")
+    log_every: int = Field(10, gt=0, description="Train-loss log line every N inner steps (dp) or each sync.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU."
+    )
+    max_bad_syncs: int = Field(
+        3,
+        ge=1,
+        description="Stop the run (exit 1, last checkpoint kept) after this many syncs in a row that left a "
+        "replica out for a non-finite loss or pseudogradient (dp: skipped non-finite steps).",
+    )
+    threads: int | None = Field(None, gt=0, description="torch CPU threads; default: torch's choice.")
+
+
+class AdamWConfig(Section):
+    lr: float = Field(
+        0.003, gt=0, description="AdamW lr (non-matrix parameters under Muon; all under adamw)."
+    )
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
+        return betas
+
+
+class InnerConfig(Section):
+    optimizer: Literal["muon", "adamw", "sgd", "torch_muon"] = Field(
+        "muon",
+        description="muon: our Muon on hidden matrices + AdamW on the rest (MuLoCo); adamw: AdamW on all "
+        "(DiLoCo); sgd: SGD with momentum on all; torch_muon: torch.optim.Muon + AdamW (reference).",
+    )
+    lr: float = Field(0.02, gt=0, description="Muon (or SGD) learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Muon/SGD decoupled weight decay.")
+    momentum: float = Field(0.95, ge=0, lt=1, description="Muon/SGD momentum.")
+    nesterov: bool = Field(True, description="Nesterov momentum for Muon/SGD.")
+    ns_steps: int = Field(5, gt=0, description="Newton-Schulz iterations.")
+    ns_coefficients: str | list[tuple[float, float, float]] = Field(
+        "keller", description="keller | muloco | polar_express, or a list of (a, b, c) triples."
+    )
+    ns_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="Newton-Schulz dtype. auto: bf16 on CUDA and on CPUs with native bf16 (2x faster "
+        "here), else fp32; fp32 makes runs reproducible across layouts to ~1e-6.",
+    )
+    adjust_lr: Literal["spectral", "original", "match_rms_adamw"] = Field(
+        "spectral", description="Muon per-matrix lr scale (see docs/optimizers.md)."
+    )
+    distributed_muon: bool = Field(
+        True,
+        description="With ranks_per_worker > 1: each Muon matrix's momentum and Newton-Schulz run on one "
+        "owner rank of the worker, results all-gathered (false: every rank repeats them).",
+    )
+    muon_params: list[str] = Field(
+        default_factory=list, description="Regexes of parameter names forced onto Muon (must be >= 2-D)."
+    )
+    adamw_params: list[str] = Field(
+        default_factory=list, description="Regexes of parameter names forced onto AdamW."
+    )
+    adamw: AdamWConfig = Field(default_factory=AdamWConfig)
+
+    @field_validator("ns_coefficients")
+    @classmethod
+    def _known_coefficients(cls, value: str | list) -> str | list:
+        names = ("keller", "muloco", "polar_express")
+        if isinstance(value, str) and value not in names:
+            raise ValueError(f"unknown coefficient set {value!r}; use one of {', '.join(names)} or a list")
+        if isinstance(value, list) and not value:
+            raise ValueError("the list of (a, b, c) triples is empty")
+        return value
+
+
+class OuterConfig(Section):
+    lr: float = Field(0.7, gt=0, description="Outer Nesterov SGD lr (DiLoCo/MuLoCo papers: 0.7).")
+    momentum: float = Field(0.6, ge=0, lt=1, description="Outer momentum (MuLoCo: 0.6; DiLoCo: 0.8-0.9).")
+    nesterov: bool = Field(True, description="Nesterov outer momentum.")
+    offload: Literal["none", "cpu"] = Field("none", description="cpu: keep the fp32 global copy on the CPU.")
+
+
+class SyncConfig(Section):
+    every: int = Field(30, gt=0, description="H: inner steps between two syncs of the same fragment.")
+    fragments: int = Field(
+        1,
+        ge=1,
+        description="Streaming DiLoCo P: the parameters sync in P fragments (groups of transformer blocks) "
+        "at staggered steps, fragment p when step mod H == floor(p H / P); 1 = plain DiLoCo.",
+    )
+    overlap: int = Field(
+        0,
+        ge=0,
+        description="Streaming tau: a fragment's sync started at step t is applied at t + tau while the "
+        "inner steps go on (tau x P < H).",
+    )
+    alpha: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Streaming merge: local <- alpha local + (1 - alpha) global_new; 0 = replace.",
+    )
+    fragment_pattern: Literal["strided", "sequential"] = Field(
+        "strided",
+        description="strided: block i joins fragment i mod P (the paper's choice); sequential: "
+        "consecutive blocks.",
+    )
+    embedding_fragment: int = Field(
+        0, description="Fragment of the parameters before the first block (embeddings); -1 = the last."
+    )
+    head_fragment: int = Field(
+        -1, description="Fragment of the parameters after the last block (final norm, head); 0 = the first."
+    )
+
+    @model_validator(mode="after")
+    def _check_streaming(self) -> SyncConfig:
+        P, H = self.fragments, self.every
+        if P > H:
+            raise ValueError(
+                f"sync.fragments ({P}) exceeds sync.every ({H}): each fragment needs its own step; "
+                f"use sync.fragments <= {H}"
+            )
+        if self.overlap * P >= H:
+            raise ValueError(
+                f"sync.overlap ({self.overlap}) must be below sync.every / sync.fragments ({H}/{P}) so a "
+                f"sync is applied before the next fragment's starts; use sync.overlap <= {(H - 1) // P}"
+            )
+        for field in ("embedding_fragment", "head_fragment"):
+            value = getattr(self, field)
+            if not -P <= value < P:
+                raise ValueError(f"sync.{field} ({value}) must be in [-{P}, {P - 1}] for {P} fragments")
+        return self
+
+    @property
+    def streaming(self) -> bool:
+        return self.fragments > 1 or self.overlap > 0 or self.alpha > 0
+
+
+class CompressionConfig(Section):
+    scheme: Literal["none", "bf16", "linear", "statistical", "topk"] = Field(
+        "none",
+        description="How pseudogradients travel: none (fp32), bf16, linear / statistical quantization "
+        "(bits, granularity), topk (a fraction of entries).",
+    )
+    bits: int = Field(8, description="Quantization bits of linear and statistical: 1, 2, 4 or 8.")
+    granularity: Literal["tensor", "row", "block"] = Field(
+        "row", description="One set of quantization statistics per tensor, per row, or per block."
+    )
+    block_size: int = Field(256, gt=0, description="granularity: block: elements per block.")
+    linear_mode: Literal["absmax", "minmax"] = Field(
+        "absmax", description="linear: symmetric around 0 (absmax) or spanning [min, max] (minmax)."
+    )
+    stat_range: float | None = Field(
+        None,
+        gt=0,
+        le=1e4,
+        description="statistical: range of +-r standard deviations; default: chosen per bits.",
+    )
+    topk_fraction: float = Field(
+        0.01, ge=2**-20, le=1, description="topk: fraction of entries kept per tensor."
+    )
+    topk_value_bits: int = Field(32, description="topk: bits of the kept values: 32 (fp32), 16 (bf16) or 8.")
+    error_feedback: bool = Field(False, description="Error feedback: resend what quantization dropped.")
+    ef_decay: float = Field(0.9, ge=0, le=1, description="Error-feedback decay: e = decay * e + delta.")
+    ef_alpha: float = Field(1.0, ge=0, le=1, description="Error-feedback step: e = e - alpha * deQ(Q(e)).")
+    skip: list[str] = Field(
+        default_factory=lambda: ["norm", "bias", "scalar"],
+        description="Parameters sent uncompressed: role names (embedding, head, norm, bias, scalar) or "
+        "regexes of parameter names. Default: the 1-D ones (embeddings would cost ~2 bits/param on small "
+        "models if sent as fp32).",
+    )
+    skip_dtype: Literal["fp32", "bf16"] = Field("fp32", description="How skipped parameters travel.")
+
+    @field_validator("bits")
+    @classmethod
+    def _supported_bits(cls, bits: int) -> int:
+        if bits not in QUANT_BITS:
+            raise ValueError(f"bits must be {one_of(QUANT_BITS)}, got {bits}")
+        return bits
+
+    @field_validator("topk_value_bits")
+    @classmethod
+    def _supported_value_bits(cls, bits: int) -> int:
+        if bits not in TOPK_VALUE_BITS:
+            raise ValueError(f"topk_value_bits must be {one_of(TOPK_VALUE_BITS)}, got {bits}")
+        return bits
