@@ -169,4 +169,3 @@ class SwarmReducer:
     def close(self) -> None:
         if self.swarm is not None:
             self.swarm.close()
-
