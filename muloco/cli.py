@@ -144,14 +144,15 @@ def _plan_params(text: str) -> float:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
+    from muloco.compress.bits import QUANT_BITS, one_of
     from muloco.wan import Link, estimate_step_seconds, format_plan, plan, plan_as_dict
 
     params = _plan_params(args.params)
     for name in ("workers", "sync_every", "fragments"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.bits not in (1, 2, 4, 8):
-        raise UserError(f"--bits must be 1, 2, 4 or 8, got {args.bits}")
+    if args.bits not in QUANT_BITS:
+        raise UserError(f"--bits must be {one_of(QUANT_BITS)}, got {args.bits}")
     if args.overlap < 0 or args.overlap * args.fragments >= args.sync_every:
         raise UserError("--overlap must be >= 0 and below --sync-every / --fragments")
     if any(b <= 0 for b in args.bandwidth_mbps) or args.latency_ms < 0 or args.tflops <= 0:

@@ -119,7 +119,7 @@ def test_streaming_over_processes_equals_the_simulation(tmp_path, TINY, extra, r
     for a, b in zip(sim.engine.outer.params, final_global_params(tmp_path / "p2"), strict=True):
         torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * 0.1)
     summary = json.loads((tmp_path / "p2" / "summary.json").read_text())
-    assert summary["fragment_syncs"] == sim.fragment_syncs
+    assert summary["fragment_syncs"] == sim.progress.fragment_syncs
     assert (
         summary["peak_bytes_per_sync"]
         == json.loads((sim.run_dir / "summary.json").read_text())["peak_bytes_per_sync"]
