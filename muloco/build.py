@@ -16,13 +16,19 @@ from muloco.errors import UserError
 from muloco.models import ParamRole, param_roles
 from muloco.optim import build_inner_optimizer
 from muloco.replica import Replica
+from muloco.run_state import CommLedger, Progress, WanProjection
+from muloco.sync import Reducer, SyncEngine
 
 
 def resolve_device(name: str) -> torch.device:
+    """The `device:` of the config; on CUDA, TF32 matmuls (fp32 accuracy is not what training needs)."""
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("device: cuda was asked for but no CUDA device is available; use device=auto or cpu")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     return torch.device(name)
 
 
@@ -74,3 +80,31 @@ def alignment_probe(cfg: Config, template: nn.Module, train_data, device) -> Ali
     roles = param_roles(model)
     matrices = [i for i, (n, _) in enumerate(model.named_parameters()) if roles[n] == ParamRole.MATRIX]
     return AlignmentProbe(replica, matrices)
+
+
+def sync_engine(
+    cfg: Config,
+    template: nn.Module,
+    reducer: Reducer,
+    replicas: list,
+    device,
+    *,
+    progress: Progress,
+    ledger: CommLedger,
+    wan: WanProjection,
+) -> SyncEngine:
+    """The sync engine of `muloco train` (outer.offload=cpu keeps the fp32 global copy in host memory)."""
+    return SyncEngine(
+        template,
+        reducer,
+        sync=cfg.sync,
+        outer=cfg.outer,
+        compression=cfg.compression,
+        local_replicas=len(replicas),
+        max_bad_syncs=cfg.train.max_bad_syncs,
+        total_steps=cfg.total_steps,
+        outer_device=torch.device("cpu") if cfg.outer.offload == "cpu" else device,
+        progress=progress,
+        ledger=ledger,
+        wan=wan,
+    )

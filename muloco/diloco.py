@@ -27,16 +27,19 @@ from torch import nn
 from muloco.comm import Backend, LocalBackend
 from muloco.compress import Compressor
 from muloco.config import CompressionConfig, HivemindBackendConfig, OuterConfig, SyncConfig
+from muloco.errors import UserError
 from muloco.replica import Replica
 from muloco.run_state import CommLedger, Progress
 from muloco.sync import CollectiveReducer, Reducer, SyncEngine, SyncRecord
+
+STATE_FORMAT = 2  # of state_dict(): 2 = the engine's state, progress and ledger (1: outer and counters)
 
 
 def _reducer_for(backend: Backend | HivemindBackendConfig | Reducer | None) -> Reducer:
     if backend is None:
         return CollectiveReducer.over(LocalBackend())
     if isinstance(backend, HivemindBackendConfig):
-        from muloco.comm.hivemind.reducer import SwarmReducer
+        from muloco.sync.swarm import SwarmReducer
 
         return SwarmReducer(backend)
     if hasattr(backend, "start_mean"):
@@ -103,21 +106,26 @@ class DiLoCo:
         self.replica = Replica(getattr(backend, "rank", 0), model, inner_optimizer, None, device)
         self.progress = Progress()
         self.ledger = CommLedger(num_params=sum(p.numel() for p in params))
-        self.engine = SyncEngine(
-            model,
-            reducer,
-            sync=sync,
-            outer=outer,
-            compression=compression,
-            local_replicas=1,
-            max_bad_syncs=max_bad_syncs,
-            total_steps=total_steps,
-            progress=self.progress,
-            ledger=self.ledger,
-        )
+        try:
+            self.engine = SyncEngine(
+                model,
+                reducer,
+                sync=sync,
+                outer=outer,
+                compression=compression,
+                local_replicas=1,
+                max_bad_syncs=max_bad_syncs,
+                total_steps=total_steps,
+                progress=self.progress,
+                ledger=self.ledger,
+            )
+        except UserError as exc:  # e.g. more fragments than the model has numbered blocks
+            raise ValueError(f"DiLoCo(fragments={fragments}): {exc}") from None
         self.last_update_norm: float | None = None
         self.records: list[SyncRecord] = []  # the syncs applied by the latest step() or sync()
-        self.engine.join([self.replica], resumed=False)
+        # A loss that is not finite, kept on the loss's device: reading it every step would be a host sync.
+        self._non_finite: torch.Tensor | bool = False
+        self._joined, self._resumed = False, False
 
     @property
     def outer_steps(self) -> int:
@@ -137,26 +145,47 @@ class DiLoCo:
         """Count one inner step (pass its loss to have a non-finite one leave this replica out of the
         next sync); at a sync event apply the syncs due and start the ones scheduled. Every process must
         call it the same number of times: syncs are collectives. Returns True when a sync was applied."""
-        if loss is not None and not math.isfinite(float(loss)):
-            self.replica.healthy = False
+        self._join()
+        if isinstance(loss, torch.Tensor):
+            self._non_finite = ~torch.isfinite(loss.detach()).all() | self._non_finite
+        elif loss is not None and not math.isfinite(loss):
+            self._non_finite = True
         self.progress.steps += 1
         self.replica.inner_steps = self.progress.steps
         step, engine = self.progress.steps, self.engine
         engine.trained()
         finishing, starting = engine.due(step)
         self.records = [engine.finish(sync, [self.replica]) for sync in finishing]
+        if starting:
+            self._check_losses()
         for fragment in starting:
             sync = engine.start(fragment, [self.replica], step)
             if sync.apply_step <= step:
                 self.records.append(engine.finish(sync, [self.replica]))
         return self._applied()
 
+    def _join(self) -> None:
+        """Join the run before the first step (after a `load_state_dict`, as a resumed member): a swarm
+        joiner loads the swarm's state; collectives do nothing."""
+        if not self._joined:
+            self.engine.join([self.replica], resumed=self._resumed)
+            self._joined = True
+
+    def _check_losses(self) -> None:
+        """Before pseudogradients are read: a non-finite loss since the last sync leaves this replica out
+        (one host sync per sync, not per step)."""
+        if bool(self._non_finite):
+            self.replica.healthy = False
+        self._non_finite = False
+
     @torch.no_grad()
     def sync(self) -> float | None:
         """Sync now: apply every sync in flight, then sync every fragment at once (tau = 0). Every process
         must call it at the same point. Returns the norm of the last outer update."""
+        self._join()
         engine, step = self.engine, self.progress.steps
         self.records = [engine.finish(sync, [self.replica]) for sync in list(engine.in_flight)]
+        self._check_losses()
         for fragment in range(len(engine.fragments)):
             sync = engine.start(fragment, [self.replica], step, delay=0)
             self.records.append(engine.finish(sync, [self.replica]))
@@ -172,12 +201,24 @@ class DiLoCo:
         """Global parameters, outer momentum, error-feedback buffers, syncs in flight (their means), and
         the counters: with the model's and inner optimizer's own state_dicts, a resume is exact."""
         return {
+            "format": STATE_FORMAT,
             "engine": self.engine.state_dict(),
             "progress": self.progress.state_dict(),
             "ledger": self.ledger.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s output; call it before the first step() to resume (a swarm member then
+        joins as a resumed peer and serves this state, rather than loading the swarm's)."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            version = state.get("format", "1 (muloco <= 0.1)") if isinstance(state, dict) else "unknown"
+            raise ValueError(
+                f"DiLoCo.load_state_dict: a state of format {version}, this muloco reads format "
+                f"{STATE_FORMAT}; resume with the muloco that saved it, or start from the model's weights"
+            )
+        if self._joined:
+            raise RuntimeError("DiLoCo.load_state_dict must come before the first step() or sync()")
+        self._resumed = True
         self.engine.load_state_dict(state["engine"])
         self.progress.load_state_dict(state["progress"])
         self.ledger.load_state_dict(state["ledger"])

@@ -24,18 +24,22 @@ class DataParallel:
         replica: Replica,
         streams: list,
         backend: Backend,
+        *,
         workers: int,
         micro_batches: int,
         seqs_per_micro: int,
         grad_clip: float,
-        guard: BadSyncGuard,
+        max_bad_syncs: int,
         progress: Progress,
         ledger: CommLedger,
         wan: WanProjection,
     ) -> None:
+        """streams: the K workers' data streams this process computes; a non-finite step is skipped and
+        max_bad_syncs of them in a row stop the run (the same guard as DiLoCo's syncs)."""
         self.replica, self.streams, self.backend, self.workers = replica, streams, backend, workers
         self.micro_batches, self.seqs_per_micro, self.grad_clip = micro_batches, seqs_per_micro, grad_clip
-        self.guard, self.progress, self.ledger, self.wan = guard, progress, ledger, wan
+        self.guard = BadSyncGuard(progress, workers, max_bad_syncs)
+        self.progress, self.ledger, self.wan = progress, ledger, wan
         self.grad_bytes = 4 * sum(p.numel() for p in replica.model.parameters())  # fp32 gradients
 
     def step(self, lr_multiplier: float, autocast) -> tuple[float, int]:

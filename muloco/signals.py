@@ -36,7 +36,8 @@ class StopRequest:
             when = "the current inner step" if self.backend.world_size == 1 else "this round"
             log.warning(
                 "signal=%s received: stopping after %s, writing a checkpoint (Ctrl+C again: exit at once)",
-                *(signal.Signals(signum).name, when),
+                signal.Signals(signum).name,
+                when,
             )
 
         self._previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -33,6 +33,7 @@ def build_summary(
     cfg: Config,
     components: dict[str, Any],
     replicas: list,
+    *,
     num_params: int,
     device: str,
     elapsed_s: float,

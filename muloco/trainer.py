@@ -21,9 +21,16 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from muloco.build import alignment_probe, autocast_factory, diloco_replicas, dp_replica, resolve_device
+from muloco.build import (
+    alignment_probe,
+    autocast_factory,
+    diloco_replicas,
+    dp_replica,
+    resolve_device,
+    sync_engine,
+)
 from muloco.checkpoint import save_checkpoint
-from muloco.comm import Backend, build_backend
+from muloco.comm import Backend, build_backend, means_over_processes
 from muloco.comm.topology import build_topology
 from muloco.config import Config
 from muloco.data import ReplicaStream, load_data, val_batches
@@ -37,7 +44,6 @@ from muloco.run_state import CommLedger, Progress, RngState, StateList, WanProje
 from muloco.signals import EXIT_INTERRUPTED, StopRequest
 from muloco.summary import build_summary
 from muloco.sync import SyncEngine, SyncRecord, build_reducer
-from muloco.sync.guard import BadSyncGuard
 from muloco.wan import Link
 
 log = logging.getLogger("muloco")
@@ -53,9 +59,6 @@ class Trainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.device = resolve_device(cfg.device)
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
         self.run_dir = prepare_run_dir(cfg)
         check_same_config(self.backend, cfg.fingerprint())
         rank = self.backend.rank
@@ -88,20 +91,29 @@ class Trainer:
         bandwidth = cfg.backend.local.bandwidth_mbps
         link = Link(bandwidth, cfg.backend.local.latency_ms) if bandwidth else None
         self.wan = WanProjection(link=link, progress=self.progress)
-        self.guard = BadSyncGuard(self.progress, K, cfg.train.max_bad_syncs)
         self.engine: SyncEngine | None = None
         self.dp: DataParallel | None = None
         if cfg.method == "dp":
             self.replicas = [dp_replica(cfg, template, self.local_indices[0], streams[0], self.device)]
             self.dp = DataParallel(
-                *(self.replicas[0], streams, self.backend, K, self.micro_batches, self.seqs_per_micro),
-                *(cfg.train.grad_clip, self.guard, self.progress, self.ledger, self.wan),
+                self.replicas[0],
+                streams,
+                self.backend,
+                workers=K,
+                micro_batches=self.micro_batches,
+                seqs_per_micro=self.seqs_per_micro,
+                grad_clip=cfg.train.grad_clip,
+                max_bad_syncs=cfg.train.max_bad_syncs,
+                progress=self.progress,
+                ledger=self.ledger,
+                wan=self.wan,
             )
         else:
             self.replicas = diloco_replicas(
                 cfg, template, self.local_indices, streams, self.device, self.topology, self.offload
             )
-            self.engine = self._build_engine(template)
+            state = {"progress": self.progress, "ledger": self.ledger, "wan": self.wan}
+            self.engine = sync_engine(cfg, template, self.reducer, self.replicas, self.device, **state)
         self.probe = (
             alignment_probe(cfg, template, self.data.train, self.device)
             if cfg.diagnostics.alignment
@@ -128,23 +140,6 @@ class Trainer:
             write_resolved_config(cfg, self.run_dir)
 
     # -- set-up helpers -------------------------------------------------------------------------------
-    def _build_engine(self, template) -> SyncEngine:
-        cfg = self.cfg
-        return SyncEngine(
-            template,
-            self.reducer,
-            sync=cfg.sync,
-            outer=cfg.outer,
-            compression=cfg.compression,
-            local_replicas=len(self.replicas),
-            max_bad_syncs=cfg.train.max_bad_syncs,
-            total_steps=self.total_steps,
-            outer_device=torch.device("cpu") if cfg.outer.offload == "cpu" else self.device,
-            progress=self.progress,
-            ledger=self.ledger,
-            wan=self.wan,
-        )
-
     def _resume(self) -> None:
         """Every component from the checkpoint that `checkpoint.resume` names (resume.py), if any."""
         cfg = self.cfg
@@ -220,7 +215,8 @@ class Trainer:
         Plain DiLoCo (one fragment, tau = 0): H inner steps, then one sync. Streaming: fragments start and
         finish at staggered steps; a sync started at t is applied at t + tau while the inner steps go on."""
         if self.dp is not None:
-            return self._dp_step()
+            self._dp_step()
+            return
         engine, progress = self.engine, self.progress
         end = min(engine.next_event(progress.steps), self.total_steps)
 
@@ -279,27 +275,21 @@ class Trainer:
 
     def _log_sync(self, record: SyncRecord) -> None:
         sums = record.sums
-        train_loss, pseudograd_norm = self._means_over_processes(
-            sums["loss_sum_count"], sums["norm_sum_count"]
+        train_loss, pseudograd_norm = means_over_processes(
+            self.backend, sums["loss_sum_count"], sums["norm_sum_count"]
         )
-        self._log("sync", train_loss=train_loss, pseudograd_norm=pseudograd_norm, **record.fields)
+        self._log(
+            "sync", record.step, train_loss=train_loss, pseudograd_norm=pseudograd_norm, **record.fields
+        )
 
     def _dp_step(self) -> None:
         progress, t = self.progress, self.cfg.train
         loss_sum_count = self.dp.step(self._lr_multiplier(progress.steps), self.autocast)
         if progress.steps % t.log_every == 0 or progress.steps == self.total_steps:
-            (train_loss,) = self._means_over_processes(loss_sum_count)
+            (train_loss,) = means_over_processes(self.backend, loss_sum_count)
             self._log("train", train_loss=train_loss)
 
     # -- helpers of the loop --------------------------------------------------------------------------
-    def _means_over_processes(self, *sums_and_counts: tuple[float, int]) -> list[float]:
-        """Means of per-replica metrics over all K replicas, from each process's (sum, count) pairs. One
-        collective with several processes: every rank calls it at the same point of the round."""
-        values = torch.tensor([v for pair in sums_and_counts for v in pair], dtype=torch.float64)
-        if self.backend.world_size > 1:
-            values = self.backend.all_reduce_sum([values]).wait()[0]
-        return [(values[i] / values[i + 1]).item() for i in range(0, len(values), 2)]
-
     def _lr_multiplier(self, step: int) -> float:
         t = self.cfg.train
         return lr_multiplier(step, self.total_steps, t.warmup_steps, t.lr_schedule, t.min_lr_ratio)
@@ -334,8 +324,9 @@ class Trainer:
     def _elapsed(self) -> float:
         return self.elapsed_at_start + time.perf_counter() - self.started
 
-    def _log(self, kind: str, **values: Any) -> None:
-        steps = self.progress.steps
+    def _log(self, kind: str, step: int | None = None, **values: Any) -> None:
+        """One metrics.jsonl record at `step` (default: now)."""
+        steps = self.progress.steps if step is None else step
         tokens, elapsed = steps * self.cfg.train.batch_tokens, self._elapsed()
         record = {"kind": kind, "step": steps, "tokens": tokens, "time_s": round(elapsed, 3), **values}
         if kind != "eval":
@@ -348,10 +339,18 @@ class Trainer:
     def _log_start(self) -> None:
         cfg = self.cfg
         fields = {
-            **{"run": cfg.run.name, "dir": self.run_dir, "method": cfg.method, "inner": cfg.inner.optimizer},
-            **{"workers": cfg.workers, "local_replicas": len(self.local_indices), "device": self.device},
-            **{"params": self.num_params, "data": self.data.description, "steps": self.total_steps},
-            **{"sync_every": cfg.sync.every, "micro_batches": self.micro_batches},
+            "run": cfg.run.name,
+            "dir": self.run_dir,
+            "method": cfg.method,
+            "inner": cfg.inner.optimizer,
+            "workers": cfg.workers,
+            "local_replicas": len(self.local_indices),
+            "device": self.device,
+            "params": self.num_params,
+            "data": self.data.description,
+            "steps": self.total_steps,
+            "sync_every": cfg.sync.every,
+            "micro_batches": self.micro_batches,
         }
         log.info(" ".join(f"{key}=%s" for key in fields), *fields.values())
         describe = getattr(self.replicas[0].optimizer, "describe", None)
@@ -376,8 +375,14 @@ class Trainer:
         """summary.json (summary.py): the config's key figures and every component's summary."""
         elapsed = self._elapsed() if hasattr(self, "started") else self.progress.elapsed_s
         summary = build_summary(
-            *(self.cfg, self.components, self.replicas, self.num_params, str(self.device)),
-            *(elapsed, getattr(self, "train_time", 0.0), status),
+            self.cfg,
+            self.components,
+            self.replicas,
+            num_params=self.num_params,
+            device=str(self.device),
+            elapsed_s=elapsed,
+            train_time_s=getattr(self, "train_time", 0.0),
+            status=status,
         )
         if self.is_main:
             write_json_atomic(self.run_dir / "summary.json", summary)

@@ -153,9 +153,35 @@ def test_a_forced_sync_applies_everything_in_flight():
         ({"sync_every": 4, "alpha": 2.0}, "DiLoCo\\(alpha=...\\)"),
         ({"sync_every": 4, "backend": "torch"}, "backend must be None"),
         ({"sync_every": 4, "compression": "stat4"}, "compression must be"),
+        (
+            {"sync_every": 4, "fragments": 2},
+            "DiLoCo\\(fragments=2\\): sync.fragments \\(2\\) exceeds the model's 0 blocks",
+        ),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, message):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match=message):
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def test_a_tensor_loss_that_is_not_finite_is_read_once_per_sync():
+    model = torch.nn.Linear(4, 2)
+    diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+    diloco.step(torch.tensor(float("nan")))  # kept on its device until the sync
+    assert diloco.replica.healthy and not diloco.records
+    assert diloco.step(torch.tensor(1.0))
+    assert diloco.records[0].fields["replicas_left_out"] == 1 and diloco.replica.healthy  # reset
+
+
+def test_state_of_another_format_or_a_late_load_is_refused():
+    model = torch.nn.Linear(4, 2)
+    diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+    with pytest.raises(
+        ValueError, match=r"a state of format 1 \(muloco <= 0.1\), this muloco reads format 2"
+    ):
+        diloco.load_state_dict({"outer": {}, "local_step": 3, "outer_steps": 1})
+    state = diloco.state_dict()
+    diloco.step()
+    with pytest.raises(RuntimeError, match="before the first step"):
+        diloco.load_state_dict(state)

@@ -9,7 +9,14 @@ optimizers.
 import logging
 import os
 
-from muloco.comm.base import Backend, CompletedHandle, Handle, ring_allgather_bytes, ring_allreduce_bytes
+from muloco.comm.base import (
+    Backend,
+    CompletedHandle,
+    Handle,
+    means_over_processes,
+    ring_allgather_bytes,
+    ring_allreduce_bytes,
+)
 from muloco.comm.local import LocalBackend
 
 
@@ -22,7 +29,7 @@ def build_backend(cfg) -> Backend:
         )
         kind = "torch"
     if kind in ("local", "hivemind"):
-        return LocalBackend()  # a hivemind peer is a world of its own; the trainer joins the swarm
+        return LocalBackend()  # a hivemind peer is a world of its own; its SwarmReducer joins the swarm
     if kind == "torch":
         from muloco.comm.torch_dist import TorchDistBackend
 
@@ -36,6 +43,7 @@ __all__ = [
     "Handle",
     "LocalBackend",
     "build_backend",
+    "means_over_processes",
     "ring_allgather_bytes",
     "ring_allreduce_bytes",
 ]

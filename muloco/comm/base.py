@@ -62,3 +62,12 @@ def ring_allgather_bytes(payload_bytes: float, workers: int) -> float:
     (it forwards every other node's message once). Unlike the all-reduce this grows with K, which is why
     compressed payloads only pay off while (K-1) x compressed < 2 (K-1)/K x fp32."""
     return (workers - 1) * payload_bytes
+
+
+def means_over_processes(backend: Backend, *sums_and_counts: tuple[float, int]) -> list[float]:
+    """Means of per-replica metrics over all K replicas, from each process's (sum, count) pairs. One
+    collective with several processes: every rank calls it at the same point of the round."""
+    values = torch.tensor([v for pair in sums_and_counts for v in pair], dtype=torch.float64)
+    if backend.world_size > 1:
+        values = backend.all_reduce_sum([values]).wait()[0]
+    return [(values[i] / values[i + 1]).item() for i in range(0, len(values), 2)]

@@ -9,6 +9,8 @@
   (local / torch.distributed with the worker topology); the swarm's is `muloco.comm.hivemind.SwarmReducer`.
 - `inflight.py`: `InFlightSync` (a sync between start and application, checkpointable) and `SyncRecord`.
 - `guard.py`: the non-finite guard (replicas left out of a sync; `train.max_bad_syncs`).
+- `swarm.py`: `SwarmReducer`, the reducer over a hivemind swarm (`muloco.comm.hivemind.HivemindSwarm`):
+  contributions, joining and catching up through the engine's `SharedState` (imports hivemind lazily).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from muloco.sync.reduce import CollectiveReducer, Contribution, Mean, PendingMea
 def build_reducer(cfg, topology) -> Reducer:
     """The reducer `backend.kind` names: a hivemind swarm, else collectives over the processes' topology."""
     if cfg.backend.kind == "hivemind":
-        from muloco.comm.hivemind.reducer import SwarmReducer
+        from muloco.sync.swarm import SwarmReducer
 
         return SwarmReducer(cfg.backend.hivemind, cfg.workers)
     return CollectiveReducer(topology, cfg.workers)

@@ -188,10 +188,9 @@ class SyncEngine:
             4.0 * numel if codec is None else (sum(map(len, messages)) / len(messages) if messages else 0.0)
         )
         with record_function("muloco::reduce"):
-            contribution = Contribution(
-                fragment, self.progress.fragment_syncs, healthy, like, payload, delta_sum, messages, codec
-            )
+            contribution = Contribution(fragment, step, healthy, like, payload, delta_sum, messages, codec)
             pending = self.reducer.start_mean(contribution)
+        self.ledger.count(pending.bytes_sent)  # collectives: known now (a swarm's when its group is)
         if payload:
             self.ledger.payload_by_fragment[fragment] = payload
         delay = self.delay(step) if delay is None else delay
@@ -220,7 +219,9 @@ class SyncEngine:
         log.warning(
             "replica=%d step=%d: non-finite loss or pseudogradient (norm %s): left out of this sync and "
             "reset to the global parameters",
-            *(replica.index, step, norm),
+            replica.index,
+            step,
+            norm,
         )
         replica.reset_to(self.outer.params)
         if self.error_feedback[position] is not None:
@@ -229,7 +230,10 @@ class SyncEngine:
 
     @torch.no_grad()
     def finish(self, sync: InFlightSync, replicas: list) -> SyncRecord:
-        """Wait for the mean, take the outer step on the fragment, merge it into the replicas."""
+        """Wait for the mean (blocks up to the reducer's timeout), take the outer step on the fragment,
+        merge it into the replicas. Then the reducer's `after_sync`: a swarm peer that fell behind may spend
+        seconds there and replace the global state and the counters with the swarm's (the record keeps the
+        step the sync was applied at)."""
         t0 = time.perf_counter()
         mean: Mean = sync.result.wait()
         self.ledger.comm_wait_s += time.perf_counter() - t0
@@ -247,7 +251,8 @@ class SyncEngine:
         self.guard.record(left_out, f"sync of fragment {sync.fragment} at step {self.progress.steps}")
         self.progress.fragment_syncs += 1
         self.progress.outer_steps = self.progress.fragment_syncs // len(self.fragments)
-        self.ledger.count(mean.bytes_sent)
+        if mean.bytes_sent:
+            self.ledger.count(mean.bytes_sent)
 
         # Merge: local <- alpha local + (1 - alpha) global (alpha = 0: restart from the global ones).
         for replica in replicas:
@@ -273,7 +278,9 @@ class SyncEngine:
             **mean.details,
         }
         sums = {k: tuple(v) for k, v in stats.items() if k.endswith("_sum_count")}
-        record = SyncRecord(sync.fragment, sync.started_step, self.progress.outer_steps, fields, sums)
+        record = SyncRecord(
+            sync.fragment, sync.started_step, self.progress.steps, self.progress.outer_steps, fields, sums
+        )
         self.reducer.after_sync(self, mean, replicas)
         return record
 

@@ -43,6 +43,7 @@ class SyncRecord:
 
     fragment: int
     started_step: int
+    step: int  # the inner step it was applied at
     outer_step: int
     fields: dict[str, Any]
     sums: dict[str, tuple[float, int]]

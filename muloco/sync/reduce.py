@@ -7,7 +7,7 @@ DiLoCo starts a sync, keeps training for tau inner steps and only then waits. Tw
 - `CollectiveReducer` (here): the local backend (simulation) and torch.distributed, with the worker
   topology (docs/topology.md). Every process calls the same collectives in the same order; the local
   backend completes at once, torch.distributed waits up to backend.torch.timeout_s.
-- `muloco.comm.hivemind.SwarmReducer`: a hivemind swarm (matchmaking, join and catch-up, state sharing).
+- `SwarmReducer` (swarm.py): a hivemind swarm (matchmaking, join and catch-up, state sharing).
 
 A reducer moves tensors and bytes and counts what it sent; it knows nothing about optimizers. The run's
 state it may need (a swarm joiner loads the swarm's global parameters) comes through `SharedState`.
@@ -32,7 +32,7 @@ class Contribution:
     """This process's part of one fragment's sync."""
 
     fragment: int
-    progress: int  # fragment syncs the run had done before this one (a swarm matches peers on it)
+    step: int  # the inner step the sync starts at (a swarm only averages peers at the same step)
     healthy: int  # local replicas that contribute (a non-finite one sends nothing)
     like: list[torch.Tensor]  # the fragment's global parameters: shapes, dtype and device of the mean
     payload_bytes: float  # one replica's message: 4 x numel uncompressed, else its encoded length
@@ -46,7 +46,7 @@ class Mean:
     values: list[torch.Tensor] | None  # the mean pseudogradient; None when no replica contributed
     contributors: int
     left_out: int  # replicas (or swarm peers) whose contribution is not in the mean
-    bytes_sent: float = 0.0  # what this worker sent for the sync
+    bytes_sent: float = 0.0  # what this worker sent for the sync, known once it is done (a swarm's group)
     details: dict[str, Any] = field(default_factory=dict)  # reducer-specific log fields (e.g. group_size)
 
     def state_dict(self) -> dict[str, Any]:
@@ -60,11 +60,13 @@ class Mean:
 
 
 class PendingMean:
-    """A started reduction; `wait()` blocks until it is done and returns the Mean (computed once, kept)."""
+    """A started reduction; `wait()` blocks until it is done and returns the Mean (computed once, kept).
+    `bytes_sent` is what this worker sends for it when that is known at the start (collectives)."""
 
-    def __init__(self, handle: Handle, finish: Callable[[Any], Mean]) -> None:
+    def __init__(self, handle: Handle, finish: Callable[[Any], Mean], bytes_sent: float = 0.0) -> None:
         self._handle, self._finish = handle, finish
         self._result: Mean | None = None
+        self.bytes_sent = bytes_sent
 
     def wait(self) -> Mean:
         if self._result is None:
@@ -169,10 +171,10 @@ class CollectiveReducer:
             pending = _share_with_worker(self.topology.worker, pending, c.like)
 
         def counted(mean: Mean) -> Mean:
-            mean.left_out, mean.bytes_sent = K - mean.contributors, sent
+            mean.left_out = K - mean.contributors
             return mean
 
-        return PendingMean(CompletedHandle(None), lambda _: counted(pending.wait()))
+        return PendingMean(CompletedHandle(None), lambda _: counted(pending.wait()), bytes_sent=sent)
 
     def after_sync(self, state: SharedState, mean: Mean, replicas: list) -> None:
         pass

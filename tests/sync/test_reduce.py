@@ -29,10 +29,11 @@ def test_uncompressed_mean_over_processes_counts_the_contributors():
     reducer = CollectiveReducer.over(backend, workers=4)
     like = [torch.zeros(3)]
     mine = Contribution(0, 0, healthy=2, like=like, payload_bytes=12.0, delta_sum=[torch.full((3,), 3.0)])
-    mean = reducer.start_mean(mine).wait()
+    pending = reducer.start_mean(mine)
+    assert pending.bytes_sent == ring_allreduce_bytes(12.0, 4)  # known at the start
+    mean = pending.wait()
     assert torch.equal(mean.values[0], torch.full((3,), 3.0))  # (3 + 6) / 3 contributors
     assert (mean.contributors, mean.left_out) == (3, 1)
-    assert mean.bytes_sent == ring_allreduce_bytes(12.0, 4)
 
 
 def test_compressed_mean_decodes_every_message_in_replica_order():
@@ -42,12 +43,13 @@ def test_compressed_mean_decodes_every_message_in_replica_order():
     messages = [codec.encode([d]) for d in deltas]
     like = [torch.zeros(4, 8)]
     contribution = Contribution(0, 0, 2, like, float(len(messages[0])), None, messages, codec)
-    mean = reducer.start_mean(contribution).wait()
+    pending = reducer.start_mean(contribution)
+    mean = pending.wait()
     expected = [torch.zeros(4, 8)]
     for m in messages:
         codec.decode_sum(m, expected)
     assert torch.equal(mean.values[0], expected[0] / 2)
-    assert mean.bytes_sent == ring_allgather_bytes(len(messages[0]), 2) and mean.left_out == 0
+    assert pending.bytes_sent == ring_allgather_bytes(len(messages[0]), 2) and mean.left_out == 0
 
 
 class RecordingReducer:
@@ -68,7 +70,7 @@ class RecordingReducer:
         self.calls.append(("join", resumed))
 
     def start_mean(self, c):
-        self.calls.append(("start", c.fragment, c.progress, c.healthy))
+        self.calls.append(("start", c.fragment, c.step, c.healthy))
         values = [t.clone() for t in c.delta_sum]
         return PendingMean.completed(Mean(values, c.healthy, 1 - c.healthy, bytes_sent=7.0))
 
@@ -109,4 +111,4 @@ def test_the_engine_speaks_only_the_reducer_protocol():
         assert torch.equal(engine.global_params[i], theta[i] + 1.0)
     assert record.fields["replicas_left_out"] == 0 and engine.ledger.bytes_sent == 7.0
     engine.close()
-    assert reducer.calls == [("open", [2, 2]), ("join", False), ("start", 1, 0, 1), ("after", 1), ("close",)]
+    assert reducer.calls == [("open", [2, 2]), ("join", False), ("start", 1, 2, 1), ("after", 1), ("close",)]

@@ -1,7 +1,7 @@
 """The hivemind backend: peers on the internet form a swarm (a DHT) and average pseudogradients in groups.
 
-- `reducer.py`: `SwarmReducer`, the sync engine's reducer over the swarm (muloco/sync/reduce.py's protocol):
-  a peer's contribution to each sync, joining and catching up through the engine's `SharedState`.
+The sync engine reaches the swarm through `muloco.sync.swarm.SwarmReducer` (the reducer protocol).
+
 - `swarm.py`: `HivemindSwarm`, one peer's membership of the swarm, put together from the parts below; its
   options are `muloco.config.HivemindBackendConfig` (the config section backend.hivemind).
 - `exchange.py`: one sync of one fragment (`FragmentSync`: encode, matchmaking, exchange, combine),
@@ -20,7 +20,6 @@ from muloco.comm.hivemind.combine import contribution_norm, contribution_problem
 from muloco.comm.hivemind.exchange import AverageResult, AveragingHandle
 from muloco.comm.hivemind.lifecycle import require_fork_start_method
 from muloco.comm.hivemind.payloads import MulocoCompression, unwrap_payload, wrap_payload
-from muloco.comm.hivemind.reducer import SwarmReducer
 from muloco.comm.hivemind.settings import SyncTimeouts, derive_timeouts, is_loopback
 from muloco.comm.hivemind.swarm import HivemindSwarm
 
@@ -29,7 +28,6 @@ __all__ = [
     "AveragingHandle",
     "HivemindSwarm",
     "MulocoCompression",
-    "SwarmReducer",
     "SyncTimeouts",
     "contribution_norm",
     "contribution_problem",

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from muloco.comm.hivemind.settings import _is_int
+from muloco.comm.hivemind.settings import is_int
 
 # ---- the group's combine rule (pure functions) ----------------------------------------------------------
 
@@ -65,7 +65,7 @@ def mean_in_order(contributions: list[list[torch.Tensor]]) -> list[torch.Tensor]
 
 def _metadata_problem(meta, step: int) -> str | None:
     """Why a member's gathered metadata rules it out (before any download), or None."""
-    if not isinstance(meta, dict) or not _is_int(meta.get("step")):
+    if not isinstance(meta, dict) or not is_int(meta.get("step")):
         return "malformed metadata"
     if meta["step"] != step:
         return f"at outer step {meta['step']}, this peer at {step}"

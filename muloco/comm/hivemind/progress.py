@@ -12,7 +12,7 @@ import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
-from muloco.comm.hivemind.settings import DHT_OP_TIMEOUT_S, _is_int
+from muloco.comm.hivemind.settings import DHT_OP_TIMEOUT_S, is_int
 
 log = logging.getLogger("muloco")
 
@@ -53,7 +53,7 @@ class ProgressRecords:
             for subkey, v in found.value.items()
             if isinstance(subkey, bytes)
             and isinstance(v, ValueWithExpiration)
-            and _is_int(v.value)
+            and is_int(v.value)
             and v.expiration_time > now
         }
 

@@ -79,5 +79,5 @@ def is_loopback(maddrs: Sequence[str]) -> bool:
     return all(str(m).startswith(("/ip4/127.", "/ip6/::1/")) for m in maddrs)
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)

@@ -121,7 +121,7 @@ class HivemindSwarm:
 
     def start_average_encoded(self, fragment: int, payloads: list[bytes], step: int) -> AveragingHandle:
         """As start_average, for payloads already encoded with this swarm's compressors (e.g. by a
-        PseudogradientCodec with error feedback: `muloco.codec.unpack(codec.encode(delta, ef))`)."""
+        PseudogradientCodec with error feedback: `muloco.sync.codec.unpack(codec.encode(delta, ef))`)."""
         return self._fragment(fragment).start_encoded(payloads, step)
 
     def _fragment(self, fragment: int) -> FragmentSync:

@@ -102,7 +102,9 @@ class SwarmReducer:
             if time.monotonic() > deadline:
                 log.warning(
                     "hivemind: %d of backend.hivemind.wait_for_peers=%d peers after %.0f s: starting anyway",
-                    *(present, self.section.wait_for_peers, self.section.join_timeout_s),
+                    present,
+                    self.section.wait_for_peers,
+                    self.section.join_timeout_s,
                 )
                 return
             time.sleep(0.2)
@@ -114,9 +116,9 @@ class SwarmReducer:
         if c.healthy == 0:
             return PendingMean.completed(Mean(None, 0, left_out=1, details={"group_size": 1}))
         if c.codec is None:
-            handle = self.swarm.start_average(c.fragment, c.delta_sum, c.progress)
+            handle = self.swarm.start_average(c.fragment, c.delta_sum, c.step)
         else:
-            handle = self.swarm.start_average_encoded(c.fragment, unpack(c.messages[0]), c.progress)
+            handle = self.swarm.start_average_encoded(c.fragment, unpack(c.messages[0]), c.step)
         return PendingMean(handle, self._mean_of(c))
 
     @staticmethod
@@ -126,9 +128,7 @@ class SwarmReducer:
                 log.warning("hivemind: contributions excluded: %s", result.excluded_reasons)
             if not result.averaged:
                 outcome = "applying this peer's own pseudogradient" if result.mean is not None else "skipping"
-                log.warning(
-                    "hivemind: no group for fragment %d at sync %d: %s", c.fragment, c.progress, outcome
-                )
+                log.warning("hivemind: no group for fragment %d at step %d: %s", c.fragment, c.step, outcome)
             # Each member uploads its payload to every other member of the group (a mesh all-gather).
             sent = (result.group_size - 1) * c.payload_bytes
             details = {"group_size": result.group_size}
