@@ -77,9 +77,7 @@ class DataParallel:
         self.guard.record(0 if finite else K, f"dp step {step} (non-finite gradients: skipped)")
         self.progress.worker_compute_s += time.perf_counter() - t0
         self.progress.steps = step
-        sent = ring_allreduce_bytes(self.grad_bytes, K)
-        self.ledger.bytes_sent += sent
-        self.ledger.peak_bytes_per_sync = sent
+        self.ledger.count(ring_allreduce_bytes(self.grad_bytes, K))
         if self.wan.link is not None:
             self.wan.project(allreduce_seconds(self.wan.link, self.grad_bytes, K), 0)
         return loss_sum, len(self.streams) * self.micro_batches

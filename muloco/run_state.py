@@ -86,10 +86,6 @@ class CommLedger(Component):
         self.bytes_sent += sent
         self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, sent)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.payload_by_fragment = {int(k): v for k, v in self.payload_by_fragment.items()}
-
     def summary(self) -> dict[str, Any]:
         payload = sum(self.payload_by_fragment.values()) or None  # one replica's message, whole model
         return {

@@ -373,15 +373,14 @@ class Trainer:
 
     def write_summary(self, status: str) -> dict[str, Any]:
         """summary.json (summary.py): the config's key figures and every component's summary."""
-        elapsed = self._elapsed() if hasattr(self, "started") else self.progress.elapsed_s
         summary = build_summary(
             self.cfg,
             self.components,
             self.replicas,
             num_params=self.num_params,
             device=str(self.device),
-            elapsed_s=elapsed,
-            train_time_s=getattr(self, "train_time", 0.0),
+            elapsed_s=self._elapsed(),
+            train_time_s=self.train_time,
             status=status,
         )
         if self.is_main:

@@ -21,8 +21,21 @@ from muloco.compress.quantize import BF16_MAX, raise_non_finite
 from muloco.compress.wire import Header, assemble
 
 
+class _Unquantized(Compressor):
+    """Values stored whole, `bits` per element, one section: what none and bf16 share."""
+
+    bits = 32
+
+    def _body_header(self, shape, dtype=torch.float32) -> Header:
+        n = math.prod(shape)
+        return Header(self.scheme, self.bits, "tensor", 0, dtype, tuple(shape), 0, 0, self.bits // 8 * n)
+
+    def _header_fields(self) -> dict:
+        return {"scheme": self.scheme}
+
+
 @register_scheme
-class NoCompression(Compressor):
+class NoCompression(_Unquantized):
     """fp32, bit-exact (for fp32 input)."""
 
     scheme = "none"
@@ -30,27 +43,19 @@ class NoCompression(Compressor):
     def encode(self, tensor: torch.Tensor) -> bytes:
         x, dtype = prepare(tensor)
         check_finite(x)
-        return assemble(self._header(x.shape, dtype), [to_numpy(x).reshape(-1)])
+        return assemble(self._body_header(x.shape, dtype), [to_numpy(x).reshape(-1)])
 
     @classmethod
     def decode_sections(cls, h: Header, sections: dict[str, memoryview]) -> torch.Tensor:
         return read_f32(sections["values"]).view(h.shape)
 
-    def _header(self, shape, dtype=torch.float32) -> Header:
-        n = math.prod(shape)
-        return Header("none", 32, "tensor", 0, dtype, tuple(shape), 0, 0, 4 * n)
-
-    _body_header = _header
-
-    def _header_fields(self) -> dict:
-        return {"scheme": "none"}
-
 
 @register_scheme
-class BF16Compression(Compressor):
+class BF16Compression(_Unquantized):
     """bfloat16: 16 bits, relative error <= 2**-9 per element (round to nearest)."""
 
     scheme = "bf16"
+    bits = 16
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         x, dtype = prepare(tensor)
@@ -61,17 +66,8 @@ class BF16Compression(Compressor):
                 raise CompressionError(
                     f"values beyond the bf16 range (|x| > {BF16_MAX:.3g}); use scheme none"
                 )
-        return assemble(self._header(x.shape, dtype), [bf16_bits(y).reshape(-1)])
+        return assemble(self._body_header(x.shape, dtype), [bf16_bits(y).reshape(-1)])
 
     @classmethod
     def decode_sections(cls, h: Header, sections: dict[str, memoryview]) -> torch.Tensor:
         return read_bf16(sections["values"]).view(h.shape)
-
-    def _header(self, shape, dtype=torch.float32) -> Header:
-        n = math.prod(shape)
-        return Header("bf16", 16, "tensor", 0, dtype, tuple(shape), 0, 0, 2 * n)
-
-    _body_header = _header
-
-    def _header_fields(self) -> dict:
-        return {"scheme": "bf16"}

@@ -127,7 +127,7 @@ class SyncEngine:
         """After inner step `step`: the syncs in flight to finish now, then the fragments to start. At the
         run's last step every sync in flight finishes and every fragment with unsynced steps starts, so the
         final global parameters hold every worker's last steps."""
-        last = self.total_steps is not None and step >= self.total_steps
+        last = self._is_last(step)
         finishing = [s for s in self.in_flight if last or s.apply_step <= step]
         if last:
             return finishing, [p for p, unsynced in enumerate(self.unsynced) if unsynced]
@@ -135,8 +135,10 @@ class SyncEngine:
 
     def delay(self, step: int) -> int:
         """tau, the inner steps a sync started at `step` travels; 0 at the last step."""
-        last = self.total_steps is not None and step >= self.total_steps
-        return 0 if last else self.schedule.overlap
+        return 0 if self._is_last(step) else self.schedule.overlap
+
+    def _is_last(self, step: int) -> bool:
+        return self.total_steps is not None and step >= self.total_steps
 
     # -- a sync ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -310,8 +312,7 @@ class SyncEngine:
             replica.inner_steps = p.steps
 
     def can_adopt(self) -> bool:
-        over = self.total_steps is not None and self.progress.steps >= self.total_steps
-        return not self.in_flight and not over
+        return not self.in_flight and not self._is_last(self.progress.steps)
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -164,17 +164,13 @@ class CollectiveReducer:
         pending = None
         if self.topology.sync is not None:  # this rank takes part across workers (R = 1: every rank)
             if c.codec is None:
-                pending = _start_mean_uncompressed(self.topology.sync, c.delta_sum, c.healthy)
+                pending = _start_mean_uncompressed(self.topology.sync, c.delta_sum, c.healthy, K)
             else:
                 pending = _start_mean_compressed(self.topology.sync, c.codec, c.messages, K, c.like)
         if self.topology.worker is not None:
-            pending = _share_with_worker(self.topology.worker, pending, c.like)
-
-        def counted(mean: Mean) -> Mean:
-            mean.left_out = K - mean.contributors
-            return mean
-
-        return PendingMean(CompletedHandle(None), lambda _: counted(pending.wait()), bytes_sent=sent)
+            pending = _share_with_worker(self.topology.worker, pending, c.like, K)
+        pending.bytes_sent = sent
+        return pending
 
     def after_sync(self, state: SharedState, mean: Mean, replicas: list) -> None:
         pass
@@ -184,7 +180,7 @@ class CollectiveReducer:
 
 
 def _start_mean_uncompressed(
-    backend: Backend, local_sum: list[torch.Tensor], contributors: int
+    backend: Backend, local_sum: list[torch.Tensor], contributors: int, workers: int
 ) -> PendingMean:
     """fp32: one all-reduce (sum) of this process's sum over its `contributors` healthy replicas, with the
     count riding along in the same buffer, then / the total count. Overwrites local_sum."""
@@ -193,7 +189,7 @@ def _start_mean_uncompressed(
 
     def finish(total: list[torch.Tensor]) -> Mean:
         n = int(round(total[-1].item()))
-        return Mean([t.div_(n) for t in total[:-1]] if n > 0 else None, n, 0)
+        return Mean([t.div_(n) for t in total[:-1]] if n > 0 else None, n, workers - n)
 
     return PendingMean(handle, finish)
 
@@ -207,12 +203,14 @@ def _start_mean_compressed(
 
     def finish(blobs: list[bytes]) -> Mean:
         values, seen = codec.decode_mean(blobs, max_replicas, like)
-        return Mean(values, seen, 0)
+        return Mean(values, seen, max_replicas - seen)
 
     return PendingMean(handle, finish)
 
 
-def _share_with_worker(worker: Backend, pending: PendingMean | None, like: list[torch.Tensor]) -> PendingMean:
+def _share_with_worker(
+    worker: Backend, pending: PendingMean | None, like: list[torch.Tensor], workers: int
+) -> PendingMean:
     """A worker of R ranks: its lead rank (pending is its mean across workers; None on the other ranks)
     broadcasts the mean and the contributor count to the worker's ranks when waited for. Every rank of the
     worker calls the broadcast, in the same order."""
@@ -226,6 +224,6 @@ def _share_with_worker(worker: Backend, pending: PendingMean | None, like: list[
             values, count = [torch.empty_like(t) for t in like], torch.zeros(1, device=like[0].device)
         *values, count = worker.broadcast([*values, count], src=0).wait()
         n = int(count.item())
-        return Mean(values if n > 0 else None, n, 0)
+        return Mean(values if n > 0 else None, n, workers - n)
 
     return PendingMean(CompletedHandle(None), finish)
