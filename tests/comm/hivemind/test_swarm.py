@@ -201,7 +201,8 @@ def test_bad_contributions_are_excluded_on_every_peer(trio):
             contributions = [contribution(10 * step), contribution(10 * step + 1), contribution(7, scale)]
             results = average(trio, step, contributions, worst, tampers=[None, None, tamper])
             for r in results:
-                assert (r["averaged"], r["group_size"], r["excluded"]) == (True, 3, 1), r
+                outcome = (r["averaged"], r["group_size"], r["excluded"])
+                assert outcome == (True, 3, 1), f"step {step}: {outcome}, {r['excluded_reasons']}"
                 assert list(r["excluded_reasons"]) == [bad_peer] and why in r["excluded_reasons"][bad_peer]
                 assert r["mean"] == results[0]["mean"]
             assert_close(results[0]["mean"], decoded_mean(None, contributions[:2]))
