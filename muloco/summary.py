@@ -44,6 +44,8 @@ def build_summary(
     tokens = steps * cfg.train.batch_tokens
     return {
         **config_figures(cfg),
+        # sync.transport as resolved (auto -> all_gather | reduce_scatter; fp32 and dp: all_reduce)
+        "transport": getattr(components.get("engine"), "transport", "all_reduce"),
         "tokens_seen": tokens,
         **components["progress"].summary(),
         **components["ledger"].summary(),

@@ -6,7 +6,10 @@ plus one latency per ring hop:
 
 - ring all-reduce of P bytes (fp32 pseudogradients, DDP gradients): 2 (K-1)/K P bytes, 2 (K-1) hops
   (reduce-scatter then all-gather; Patarasuk & Yuan 2009);
-- all-gather of compressed messages of P bytes each: (K-1) P bytes, K-1 hops.
+- all-gather of compressed messages of P bytes each: (K-1) P bytes, K-1 hops;
+- reduce-scatter of compressed parts (sync.transport: reduce_scatter; message P, owners' means Q): K-1 parts
+  of P / K sent directly to their owners (one hop), then a ring all-gather of the K means of Q / K:
+  (K-1)/K (P + Q) bytes, 1 + (K-1) hops.
 
 Overlap: a sync started at inner step t and applied at t + tau runs while tau inner steps compute, so only
 max(0, transfer - tau x step time) is spent waiting (Streaming DiLoCo, arXiv:2501.18512, section 2.3).
@@ -19,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-from muloco.comm.base import ring_allgather_bytes, ring_allreduce_bytes
+from muloco.comm.base import reduce_scatter_bytes, ring_allgather_bytes, ring_allreduce_bytes
 
 # Share of a full-size Ethernet frame that is TCP payload: MSS 1448 B (1500 MTU - 20 IP - 20 TCP - 12 TCP
 # timestamps, RFC 7323) of 1514 B on the wire with the 14 B Ethernet header. The emulated WAN measured 95.7%
@@ -50,12 +53,41 @@ def allgather_seconds(link: Link, payload_bytes: float, workers: int) -> float:
     return link.seconds(ring_allgather_bytes(payload_bytes, workers), workers - 1)
 
 
-def sync_seconds(link: Link, payload_bytes: float, workers: int, compressed: bool) -> float:
-    """One sync of one message of `payload_bytes` per worker: an all-gather when compressed (each worker's
-    message differs), an all-reduce of fp32 sums otherwise (what the engine does)."""
-    if compressed:
+def reduce_scatter_seconds(link: Link, message_bytes: float, mean_bytes: float, workers: int) -> float:
+    if workers <= 1:
+        return 0.0
+    return link.seconds(reduce_scatter_bytes(message_bytes, mean_bytes, workers), workers)
+
+
+def sync_seconds(
+    link: Link, payload_bytes: float, workers: int, transport: str, mean_bytes: float | None = None
+) -> float:
+    """One sync of one message of `payload_bytes` per worker by `transport` (the engine's: all_reduce of
+    fp32 sums, all_gather of compressed messages, or reduce_scatter of their parts with owners' means of
+    `mean_bytes`, default the message's size)."""
+    if transport == "all_reduce":
+        return allreduce_seconds(link, payload_bytes, workers)
+    if transport == "all_gather":
         return allgather_seconds(link, payload_bytes, workers)
-    return allreduce_seconds(link, payload_bytes, workers)
+    assert transport == "reduce_scatter", f"{transport=}"
+    return reduce_scatter_seconds(
+        link, payload_bytes, payload_bytes if mean_bytes is None else mean_bytes, workers
+    )
+
+
+def faster_transport(link: Link | None, message_bytes: float, mean_bytes: float, workers: int) -> str:
+    """all_gather or reduce_scatter for compressed syncs: the one that is faster on `link` (with no link:
+    the one that sends fewer bytes). At K <= 2 both send the same bytes and all_gather quantizes once, so
+    it wins ties."""
+    if workers <= 2:
+        return "all_gather"
+    if link is None:
+        gather = ring_allgather_bytes(message_bytes, workers)
+        scatter = reduce_scatter_bytes(message_bytes, mean_bytes, workers)
+    else:
+        gather = allgather_seconds(link, message_bytes, workers)
+        scatter = reduce_scatter_seconds(link, message_bytes, mean_bytes, workers)
+    return "reduce_scatter" if scatter < gather else "all_gather"
 
 
 @dataclass(frozen=True)
@@ -106,16 +138,23 @@ def plan(
 
     sync = allgather_seconds(link, packed, K)
     gathered = ring_allgather_bytes(packed, K)
-    rows.append(PlanRow(f"MuLoCo {bits}-bit H={H}", gathered, gathered, compute, sync, sync))
+    rows.append(PlanRow(f"MuLoCo {bits}-bit H={H} all-gather", gathered, gathered, compute, sync, sync))
 
-    per_fragment = allgather_seconds(link, packed / fragments, K)
+    sync = reduce_scatter_seconds(link, packed, packed, K)
+    scattered = reduce_scatter_bytes(packed, packed, K)
+    rows.append(PlanRow(f"MuLoCo {bits}-bit H={H} reduce-scatter", scattered, scattered, compute, sync, sync))
+
+    # Streaming: the transport sync.transport: auto picks on this link.
+    transport = faster_transport(link, packed / fragments, packed / fragments, K)
+    per_fragment = sync_seconds(link, packed / fragments, K, transport)
+    best = (transport.replace("_", "-"), gathered if transport == "all_gather" else scattered)
     hidden = overlap * step_seconds
     wait = fragments * max(0.0, per_fragment - hidden)
     rows.append(
         PlanRow(
-            f"streaming MuLoCo {bits}-bit P={fragments} tau={overlap}",
-            gathered,
-            gathered / fragments,
+            f"streaming MuLoCo {bits}-bit P={fragments} tau={overlap} {best[0]}",
+            best[1],
+            best[1] / fragments,
             compute,
             fragments * per_fragment,
             wait,
@@ -126,13 +165,13 @@ def plan(
 
 def format_plan(rows: list[PlanRow]) -> str:
     header = (
-        f"{'method':<40} {'s/outer step':>12} {'compute s':>10} {'network s':>10} {'wait %':>7} "
+        f"{'method':<50} {'s/outer step':>12} {'compute s':>10} {'network s':>10} {'wait %':>7} "
         f"{'MB/outer step':>13} {'peak MB/sync':>12}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.method:<40} {r.total_s:>12.2f} {r.compute_s:>10.2f} {r.network_s:>10.2f} "
+            f"{r.method:<50} {r.total_s:>12.2f} {r.compute_s:>10.2f} {r.network_s:>10.2f} "
             f"{100 * r.wait_fraction:>6.1f}% {r.bytes_per_outer_step / 1e6:>13.1f} "
             f"{r.peak_bytes_per_sync / 1e6:>12.1f}"
         )

@@ -6,7 +6,16 @@ import pytest
 from test_helpers import run_muloco
 
 from muloco.cli import main
-from muloco.wan import Link, allgather_seconds, allreduce_seconds, estimate_step_seconds, parse_count, plan
+from muloco.wan import (
+    Link,
+    allgather_seconds,
+    allreduce_seconds,
+    estimate_step_seconds,
+    faster_transport,
+    parse_count,
+    plan,
+    reduce_scatter_seconds,
+)
 
 
 def test_link_times_are_bytes_over_bandwidth_plus_hops():
@@ -16,6 +25,18 @@ def test_link_times_are_bytes_over_bandwidth_plus_hops():
     # all-gather of 5 MB messages: 3 * 5 MB = 120 Mbit -> 1.2 s, 3 hops.
     assert allgather_seconds(link, 5e6, 4) == pytest.approx(1.2 + 0.03)
     assert allreduce_seconds(link, 40e6, 1) == 0.0
+    # reduce-scatter of 5 MB messages and 5 MB means: 3/4 x 10 MB = 60 Mbit -> 0.6 s; 1 direct hop to the
+    # owners + 3 ring hops of the all-gather.
+    assert reduce_scatter_seconds(link, 5e6, 5e6, 4) == pytest.approx(0.6 + 0.04)
+
+
+def test_faster_transport_follows_k_bytes_and_latency():
+    assert faster_transport(None, 5e6, 5e6, 2) == "all_gather"  # same bytes at K = 2, one quantization
+    assert faster_transport(None, 5e6, 5e6, 3) == "reduce_scatter"
+    assert faster_transport(None, 5e6, 5e6, 8) == "reduce_scatter"
+    # A tiny message on a high-latency link: the extra hop costs more than the bytes saved.
+    assert faster_transport(Link(1000, latency_ms=50), 1e3, 1e3, 4) == "all_gather"
+    assert faster_transport(Link(100, latency_ms=50), 5e6, 5e6, 4) == "reduce_scatter"
 
 
 def test_the_payload_rate_is_the_line_rate_less_headers():
@@ -26,16 +47,20 @@ def test_the_payload_rate_is_the_line_rate_less_headers():
 
 def test_plan_rows_by_hand():
     rows = plan(10e6, 4, 30, 0.1, Link(100, efficiency=1.0), bits=4, fragments=3, overlap=2)
-    ddp, diloco, muloco, streaming = rows
+    ddp, diloco, gather, scatter, streaming = rows
     assert ddp.network_s == pytest.approx(30 * 8 * 2 * 0.75 * 40e6 / 100e6)  # 30 all-reduces of 40 MB
     assert diloco.network_s == pytest.approx(8 * 2 * 0.75 * 40e6 / 100e6)
-    assert muloco.network_s == pytest.approx(8 * 3 * 5e6 / 100e6)  # all-gather of 3 x 5 MB
-    # Streaming: 3 transfers of 1/3 each (0.4 s), each hidden behind 2 x 0.1 s of compute.
-    assert streaming.network_s == pytest.approx(muloco.network_s)
-    assert streaming.wait_s == pytest.approx(3 * (0.4 - 0.2))
-    assert streaming.peak_bytes_per_sync == pytest.approx(muloco.peak_bytes_per_sync / 3)
+    assert gather.network_s == pytest.approx(8 * 3 * 5e6 / 100e6)  # all-gather of 3 x 5 MB
+    assert scatter.network_s == pytest.approx(8 * 0.75 * 10e6 / 100e6)  # 3/4 x (5 MB + 5 MB of means)
+    assert gather.bytes_per_outer_step / scatter.bytes_per_outer_step == pytest.approx(2.0)
+    # Streaming takes reduce-scatter (fewer bytes at K = 4): 3 transfers of 1/3 each (0.2 s), each hidden
+    # behind 2 x 0.1 s of compute.
+    assert "reduce-scatter" in streaming.method
+    assert streaming.network_s == pytest.approx(scatter.network_s)
+    assert streaming.wait_s == pytest.approx(0.0)
+    assert streaming.peak_bytes_per_sync == pytest.approx(scatter.peak_bytes_per_sync / 3)
     assert all(r.compute_s == pytest.approx(3.0) for r in rows)
-    assert ddp.wait_fraction > diloco.wait_fraction > muloco.wait_fraction > streaming.wait_fraction
+    assert ddp.wait_fraction > diloco.wait_fraction > gather.wait_fraction > scatter.wait_fraction
 
 
 def test_counts_and_step_estimate():
@@ -49,9 +74,10 @@ def test_plan_command_prints_every_method_per_bandwidth(capsys):
     assert main(["plan", "--params", "150M", "--step-time-s", "0.5", "--bandwidth-mbps", "100", "1000"]) == 0
     out = capsys.readouterr().out
     assert out.count("DDP (fp32 every step)") == 2 and "streaming MuLoCo 4-bit P=3 tau=2" in out
+    assert out.count("all-gather") == 2 and out.count("H=30 reduce-scatter") == 2
     assert main(["plan", "--params", "nano", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert [len(b["rows"]) for b in data] == [4, 4]
+    assert [len(b["rows"]) for b in data] == [5, 5]
 
 
 @pytest.mark.parametrize(

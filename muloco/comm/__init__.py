@@ -14,6 +14,7 @@ from muloco.comm.base import (
     CompletedHandle,
     Handle,
     means_over_processes,
+    reduce_scatter_bytes,
     ring_allgather_bytes,
     ring_allreduce_bytes,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "LocalBackend",
     "build_backend",
     "means_over_processes",
+    "reduce_scatter_bytes",
     "ring_allgather_bytes",
     "ring_allreduce_bytes",
 ]

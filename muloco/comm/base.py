@@ -40,6 +40,11 @@ class Backend(Protocol):
         """Every process contributes a payload; the handle returns the list of all, in rank order."""
         ...
 
+    def all_to_all_bytes(self, payloads: list[bytes]) -> Handle:
+        """Process i sends payloads[j] to process j (one per process, its own included); the handle
+        returns what every process sent to this one, in rank order."""
+        ...
+
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> Handle:
         """Overwrite the tensors in place with process `src`'s values."""
         ...
@@ -62,6 +67,13 @@ def ring_allgather_bytes(payload_bytes: float, workers: int) -> float:
     (it forwards every other node's message once). Unlike the all-reduce this grows with K, which is why
     compressed payloads only pay off while (K-1) x compressed < 2 (K-1)/K x fp32."""
     return (workers - 1) * payload_bytes
+
+
+def reduce_scatter_bytes(message_bytes: float, mean_bytes: float, workers: int) -> float:
+    """Bytes one node sends in the reduce-scatter transport (sync/scatter.py): K-1 of the K parts of its
+    message to their owners, then its share of the ring all-gather of the K owners' means:
+    (K-1)/K x (message + mean). Constant in K, like the ring all-reduce."""
+    return (workers - 1) / workers * (message_bytes + mean_bytes)
 
 
 def means_over_processes(backend: Backend, *sums_and_counts: tuple[float, int]) -> list[float]:

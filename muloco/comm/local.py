@@ -17,6 +17,10 @@ class LocalBackend:
     def all_gather_bytes(self, payload: bytes) -> CompletedHandle:
         return CompletedHandle([payload])
 
+    def all_to_all_bytes(self, payloads: list[bytes]) -> CompletedHandle:
+        assert len(payloads) == 1, f"{len(payloads)=} but the local backend has one process"
+        return CompletedHandle(list(payloads))
+
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> CompletedHandle:
         assert src == 0, f"{src=} but the local backend has one process"
         return CompletedHandle(tensors)

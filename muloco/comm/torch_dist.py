@@ -107,6 +107,26 @@ class TorchDistBackend:
         work = dist.all_gather(gathered, padded, group=self.group, async_op=True)
         return _BytesHandle(work, gathered, lengths)
 
+    def all_to_all_bytes(self, payloads: list[bytes]) -> _BytesHandle:
+        """Payloads of varying size, one per rank: exchange the sizes (small, blocking), then start one
+        all_to_all_single of the concatenated bytes with those splits (gloo and nccl both support it)."""
+        assert len(payloads) == self.world_size, f"{len(payloads)=} {self.world_size=}"
+        sizes_out = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
+        sizes_in = self._on_comm_device(torch.zeros_like(sizes_out))
+        dist.all_to_all_single(sizes_in, self._on_comm_device(sizes_out), group=self.group)
+        lengths = [int(n) for n in sizes_in.tolist()]
+        joined = b"".join(payloads)
+        send = self._on_comm_device(
+            torch.frombuffer(bytearray(joined), dtype=torch.uint8)
+            if joined
+            else torch.zeros(0, dtype=torch.uint8)
+        )
+        received = self._on_comm_device(torch.zeros(sum(lengths), dtype=torch.uint8))
+        work = dist.all_to_all_single(
+            received, send, lengths, sizes_out.tolist(), group=self.group, async_op=True
+        )
+        return _BytesHandle(work, list(received.split(lengths)), lengths)
+
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> _FlatHandle | CompletedHandle:
         if not tensors:
             return CompletedHandle(tensors)

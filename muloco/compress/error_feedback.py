@@ -32,6 +32,10 @@ class ErrorFeedback:
 
     def encode(self, name: str, delta: torch.Tensor, compressor: Compressor) -> bytes:
         """Fold `delta` into the buffer of `name`, compress it, keep the residual; return the payload."""
+        return self.send(self.accumulate(name, delta), compressor)
+
+    def accumulate(self, name: str, delta: torch.Tensor) -> torch.Tensor:
+        """e = decay * e + delta for the buffer of `name`; returns it (to `send`, whole or by rows)."""
         e = self.buffers.get(name)
         if e is None:
             e = self.buffers[name] = delta.detach().float().clone()  # decay * 0 + delta
@@ -43,6 +47,10 @@ class ErrorFeedback:
                     "was the model changed since the buffer (or checkpoint) was made?"
                 )
             e.mul_(self.decay).add_(delta.detach().to(e.device, torch.float32))
+        return e
+
+    def send(self, e: torch.Tensor, compressor: Compressor) -> bytes:
+        """Compress `e` (a buffer or a view of rows of one) and keep the residual in it, in place."""
         payload = compressor.encode(e)
         e.sub_(compressor.decode(payload).to(e.device), alpha=self.alpha)
         return payload

@@ -97,6 +97,12 @@ class Config(Section):
                 "backend.kind=hivemind runs method: diloco with one process per worker (ranks_per_worker=1); "
                 "use backend.kind=torch for method: dp or workers of several ranks"
             )
+        if self.backend.kind == "hivemind" and self.sync.transport == "reduce_scatter":
+            raise ValueError(
+                "sync.transport=reduce_scatter needs a fixed set of workers (backend.kind local or torch); a "
+                "hivemind swarm's groups change every sync, so its peers all-gather (docs/backends.md): set "
+                "sync.transport=auto or all_gather"
+            )
         if self.method == "dp" and self.sync.streaming:
             raise ValueError(
                 "sync.fragments/overlap/alpha (Streaming DiLoCo) apply to method: diloco; with method: dp "

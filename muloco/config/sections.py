@@ -224,6 +224,14 @@ class SyncConfig(Section):
     head_fragment: int = Field(
         -1, description="Fragment of the parameters after the last block (final norm, head); 0 = the first."
     )
+    transport: Literal["auto", "all_gather", "reduce_scatter"] = Field(
+        "auto",
+        description="How compressed pseudogradients travel: all_gather (every worker sends its whole "
+        "message to every other: (K-1) x message per worker) or reduce_scatter (part j to its owner, "
+        "which averages and re-quantizes it, then an all-gather of the K means: 2 (K-1)/K x message); auto "
+        "picks the faster on backend.local.bandwidth_mbps's link, else the one sending fewer bytes "
+        "(all_gather at K <= 2 and on hivemind). fp32 syncs are a ring all-reduce either way.",
+    )
 
     @model_validator(mode="after")
     def _check_streaming(self) -> SyncConfig:
@@ -283,12 +291,24 @@ class CompressionConfig(Section):
         "models if sent as fp32).",
     )
     skip_dtype: Literal["fp32", "bf16"] = Field("fp32", description="How skipped parameters travel.")
+    mean_bits: int | None = Field(
+        None,
+        description="sync.transport: reduce_scatter: bits of the part owners' re-quantized means (linear "
+        "and statistical; error feedback as error_feedback says); default: the same as bits.",
+    )
 
     @field_validator("bits")
     @classmethod
     def _supported_bits(cls, bits: int) -> int:
         if bits not in QUANT_BITS:
             raise ValueError(f"bits must be {one_of(QUANT_BITS)}, got {bits}")
+        return bits
+
+    @field_validator("mean_bits")
+    @classmethod
+    def _supported_mean_bits(cls, bits: int | None) -> int | None:
+        if bits is not None and bits not in QUANT_BITS:
+            raise ValueError(f"mean_bits must be {one_of(QUANT_BITS)} or null (same as bits), got {bits}")
         return bits
 
     @field_validator("topk_value_bits")

@@ -37,6 +37,8 @@ from muloco.sync.guard import BadSyncGuard, usable
 from muloco.sync.inflight import InFlightSync, SyncRecord
 from muloco.sync.outer import OuterOptimizer
 from muloco.sync.reduce import Contribution, Mean, Reducer
+from muloco.sync.scatter import PartitionedCodec
+from muloco.sync.transport import choose_transport
 from muloco.wan import sync_seconds
 
 log = logging.getLogger("muloco")
@@ -45,6 +47,13 @@ log = logging.getLogger("muloco")
 def global_norm(tensors: list[torch.Tensor]) -> float:
     """The L2 norm of a list of tensors taken as one vector (one host sync, not one per tensor)."""
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))).item()
+
+
+def mean_compression(compression: CompressionConfig | Compressor | None):
+    """The compression of the part owners' means (reduce_scatter): compression.mean_bits, else the same."""
+    if isinstance(compression, CompressionConfig) and compression.mean_bits is not None:
+        return compression.model_copy(update={"bits": compression.mean_bits})
+    return compression
 
 
 def build_codecs(
@@ -87,10 +96,19 @@ class SyncEngine:
             self.fragments = fragment_indices([n for n, _ in named], sync)
         except ValueError as exc:
             raise UserError(str(exc)) from None
+        shapes = [[self.outer.params[i].shape for i in f] for f in self.fragments]
         self.codecs = build_codecs(model, self.fragments, compression)
+        self.transport = self._choose_transport(model, sync, compression, shapes, reducer.workers, wan)
         ef = compression if isinstance(compression, CompressionConfig) else None
+        with_ef = bool(ef and ef.error_feedback and self.codecs)
         self.error_feedback = [
-            ErrorFeedback(ef.ef_decay, ef.ef_alpha) if ef and ef.error_feedback and self.codecs else None
+            ErrorFeedback(ef.ef_decay, ef.ef_alpha) if with_ef else None for _ in range(local_replicas)
+        ]
+        # reduce_scatter: this process owns the parts of its replicas; the second quantization's buffers.
+        self.owner_feedback = [
+            ErrorFeedback(ef.ef_decay, ef.ef_alpha)
+            if with_ef and self.transport == "reduce_scatter"
+            else None
             for _ in range(local_replicas)
         ]
         self.schedule = SyncSchedule(sync.every, sync.fragments, sync.overlap)
@@ -103,8 +121,24 @@ class SyncEngine:
         self.observer = None  # diagnostics (alignment.py): sees every pseudogradient and merge
         self.in_flight: list[InFlightSync] = []
         self.unsynced = [False] * len(self.fragments)  # inner steps not yet covered by a started sync
-        shapes = [[self.outer.params[i].shape for i in f] for f in self.fragments]
         reducer.open(shapes, self.codecs)
+
+    def _choose_transport(self, model, sync, compression, shapes, workers, wan) -> str:
+        """sync.transport resolved (transport.py); reduce_scatter wraps each fragment's codec into K parts
+        whose owners re-quantize the mean with `compression.mean_bits`."""
+        if not self.codecs:
+            return choose_transport(sync.transport, workers, False, None, 0.0, 0.0)
+        mean_codecs = build_codecs(model, self.fragments, mean_compression(compression))
+        message = sum(c.payload_bits(s) / 8 for c, s in zip(self.codecs, shapes, strict=True))
+        mean = sum(c.payload_bits(s) / 8 for c, s in zip(mean_codecs, shapes, strict=True))
+        link = wan.link if wan is not None else None
+        transport = choose_transport(sync.transport, workers, bool(self.codecs), link, message, mean)
+        if transport == "reduce_scatter":
+            self.codecs = [
+                PartitionedCodec(c, s, workers, m.compressors)
+                for c, s, m in zip(self.codecs, shapes, mean_codecs, strict=True)
+            ]
+        return transport
 
     @property
     def global_params(self) -> list[torch.Tensor]:
@@ -190,7 +224,9 @@ class SyncEngine:
             4.0 * numel if codec is None else (sum(map(len, messages)) / len(messages) if messages else 0.0)
         )
         with record_function("muloco::reduce"):
-            contribution = Contribution(fragment, step, healthy, like, payload, delta_sum, messages, codec)
+            contribution = Contribution(
+                fragment, step, healthy, like, payload, delta_sum, messages, codec, self.owner_feedback
+            )
             pending = self.reducer.start_mean(contribution)
         self.ledger.count(pending.bytes_sent)  # collectives: known now (a swarm's when its group is)
         if payload:
@@ -198,7 +234,7 @@ class SyncEngine:
         delay = self.delay(step) if delay is None else delay
         if self.wan is not None and self.wan.link is not None:
             K = self.reducer.workers or 1
-            self.wan.project(sync_seconds(self.wan.link, payload, K, codec is not None), delay)
+            self.wan.project(sync_seconds(self.wan.link, payload, K, self.transport), delay)
 
         cosine = None
         if unit_sum is not None and healthy > 1:
@@ -319,14 +355,19 @@ class SyncEngine:
         return {
             "outer": self.outer.state_dict(),
             "error_feedback": [ef.state_dict() if ef is not None else None for ef in self.error_feedback],
+            "owner_error_feedback": [
+                ef.state_dict() if ef is not None else None for ef in self.owner_feedback
+            ],
             "in_flight": [s.state_dict() for s in self.in_flight],
             "unsynced": list(self.unsynced),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state["outer"])
-        for ef, ef_state in zip(self.error_feedback, state["error_feedback"], strict=True):
-            if ef is not None:
-                ef.load_state_dict(ef_state)
+        owner = state.get("owner_error_feedback", [None] * len(self.owner_feedback))  # none before transports
+        for buffers, states in ((self.error_feedback, state["error_feedback"]), (self.owner_feedback, owner)):
+            for ef, ef_state in zip(buffers, states, strict=True):
+                if ef is not None and ef_state is not None:
+                    ef.load_state_dict(ef_state)
         self.in_flight = [InFlightSync.from_state_dict(s) for s in state["in_flight"]]
         self.unsynced = list(state["unsynced"])

@@ -21,10 +21,19 @@ from typing import Any, Protocol
 
 import torch
 
-from muloco.comm import Backend, CompletedHandle, Handle, ring_allgather_bytes, ring_allreduce_bytes
+from muloco.comm import (
+    Backend,
+    CompletedHandle,
+    Handle,
+    reduce_scatter_bytes,
+    ring_allgather_bytes,
+    ring_allreduce_bytes,
+)
 from muloco.comm.topology import Topology
+from muloco.compress import ErrorFeedback
 from muloco.errors import UserError
-from muloco.sync.codec import PseudogradientCodec, pack
+from muloco.sync.codec import PseudogradientCodec, pack, unpack
+from muloco.sync.scatter import PartitionedCodec
 
 
 @dataclass
@@ -38,7 +47,8 @@ class Contribution:
     payload_bytes: float  # one replica's message: 4 x numel uncompressed, else its encoded length
     delta_sum: list[torch.Tensor] | None = None  # uncompressed: the sum over the healthy local replicas
     messages: list[bytes] = field(default_factory=list)  # compressed: one message per healthy replica
-    codec: PseudogradientCodec | None = None
+    codec: PseudogradientCodec | PartitionedCodec | None = None  # PartitionedCodec: reduce-scatter
+    owner_feedback: list[ErrorFeedback | None] = field(default_factory=list)  # per local replica (owner)
 
 
 @dataclass
@@ -157,19 +167,22 @@ class CollectiveReducer:
     def start_mean(self, contribution: Contribution) -> PendingMean:
         """Every process calls this for every sync, in the same order (a collective)."""
         c, K = contribution, self.workers
-        if c.codec is None:
-            sent = ring_allreduce_bytes(c.payload_bytes, K)
-        else:
-            sent = ring_allgather_bytes(c.payload_bytes, K)
         pending = None
         if self.topology.sync is not None:  # this rank takes part across workers (R = 1: every rank)
             if c.codec is None:
                 pending = _start_mean_uncompressed(self.topology.sync, c.delta_sum, c.healthy, K)
+            elif isinstance(c.codec, PartitionedCodec):
+                pending = _start_mean_partitioned(self.topology.sync, c, K)
             else:
                 pending = _start_mean_compressed(self.topology.sync, c.codec, c.messages, K, c.like)
         if self.topology.worker is not None:
             pending = _share_with_worker(self.topology.worker, pending, c.like, K)
-        pending.bytes_sent = sent
+        if c.codec is None:
+            pending.bytes_sent = ring_allreduce_bytes(c.payload_bytes, K)
+        elif isinstance(c.codec, PartitionedCodec):
+            pending.bytes_sent = 0.0  # both stages are booked when the mean is there (Mean.bytes_sent)
+        else:
+            pending.bytes_sent = ring_allgather_bytes(c.payload_bytes, K)
         return pending
 
     def after_sync(self, state: SharedState, mean: Mean, replicas: list) -> None:
@@ -208,22 +221,54 @@ def _start_mean_compressed(
     return PendingMean(handle, finish)
 
 
+def _start_mean_partitioned(backend: Backend, c: Contribution, workers: int) -> PendingMean:
+    """Reduce-scatter (scatter.py): process m of W hosts replicas [m k, (m+1) k) (k = K / W) and owns their
+    parts. Each process sends process q, for each part q owns, its healthy replicas' messages of that part
+    (one all-to-all); when waited for, it averages the parts it owns and every process all-gathers the
+    owners' means (a second collective, at the same wait on every process) and decodes all of them."""
+    codec, W = c.codec, backend.world_size
+    k, rank = workers // W, backend.rank
+    assert k * W == workers, f"{workers=} {W=}"
+    by_replica = [codec.split(message) for message in c.messages]  # [replica][part]
+    outgoing = [
+        pack([pack([parts[j] for parts in by_replica]) for j in range(q * k, (q + 1) * k)]) for q in range(W)
+    ]
+    handle = backend.all_to_all_bytes(outgoing)
+    message_bytes = c.payload_bytes
+
+    def finish(received: list[bytes]) -> Mean:
+        from_processes = [unpack(blob) for blob in received]  # [process][owned part] -> packed messages
+        means = []
+        for i in range(k):  # the parts this process owns, in replica order of their contributions
+            messages = [m for parts in from_processes for m in unpack(parts[i])]
+            means.append(codec.average(rank * k + i, messages, c.owner_feedback[i], c.like))
+        # Every process calls this all-gather at the same wait (syncs finish in the same order everywhere).
+        owners = [m for blob in backend.all_gather_bytes(pack(means)).wait() for m in unpack(blob)]
+        values, contributors = codec.decode_means(owners, c.like)
+        sent = reduce_scatter_bytes(message_bytes, sum(map(len, owners)), workers)
+        return Mean(values, contributors, workers - contributors, sent)
+
+    return PendingMean(handle, finish)
+
+
 def _share_with_worker(
     worker: Backend, pending: PendingMean | None, like: list[torch.Tensor], workers: int
 ) -> PendingMean:
     """A worker of R ranks: its lead rank (pending is its mean across workers; None on the other ranks)
-    broadcasts the mean and the contributor count to the worker's ranks when waited for. Every rank of the
-    worker calls the broadcast, in the same order."""
+    broadcasts the mean, the contributor count and the bytes it sent (reduce-scatter books them at the
+    end) to the worker's ranks when waited for. Every rank of the worker calls the broadcasts, in the same
+    order."""
 
     def finish(_) -> Mean:
+        meta = torch.zeros(2, dtype=torch.float64, device=like[0].device)  # contributors, bytes sent
         if pending is not None:
             mean = pending.wait()
             values = mean.values or [torch.zeros_like(t) for t in like]
-            count = torch.tensor([float(mean.contributors)], device=like[0].device)
+            meta[0], meta[1] = float(mean.contributors), mean.bytes_sent
         else:
-            values, count = [torch.empty_like(t) for t in like], torch.zeros(1, device=like[0].device)
-        *values, count = worker.broadcast([*values, count], src=0).wait()
-        n = int(count.item())
-        return Mean(values if n > 0 else None, n, workers - n)
+            values = [torch.empty_like(t) for t in like]
+        values = worker.broadcast(values, src=0).wait()
+        n, sent = worker.broadcast([meta], src=0).wait()[0].tolist()
+        return Mean(values if n > 0 else None, int(n), workers - int(n), sent)
 
     return PendingMean(CompletedHandle(None), finish)
