@@ -81,15 +81,19 @@ class DiLoCo:
         *,
         total_steps: int | None = None,
         max_bad_syncs: int = 3,
+        transport: str = "auto",
     ) -> None:
         """total_steps: when given, the step() call that reaches it syncs every fragment with unsynced
         steps at once, as `muloco train` ends a run; max_bad_syncs: syncs in a row with this replica left
-        out (non-finite) before TrainingError."""
+        out (non-finite) before TrainingError; transport: how compressed syncs travel (sync.transport:
+        all_gather, reduce_scatter or auto; reduce_scatter needs collectives, not a swarm)."""
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(
                 f"sync_every must be an integer >= 1 (H, inner steps between syncs), got {sync_every}"
             )
-        sync = _section(SyncConfig, every=sync_every, fragments=fragments, overlap=overlap, alpha=alpha)
+        sync = _section(
+            SyncConfig, every=sync_every, fragments=fragments, overlap=overlap, alpha=alpha, transport=transport
+        )
         outer = _section(OuterConfig, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
         if compression is not None and not isinstance(compression, Compressor | CompressionConfig):
             raise ValueError(
@@ -119,8 +123,9 @@ class DiLoCo:
                 progress=self.progress,
                 ledger=self.ledger,
             )
-        except UserError as exc:  # e.g. more fragments than the model has numbered blocks
-            raise ValueError(f"DiLoCo(fragments={fragments}): {exc}") from None
+        except UserError as exc:  # more fragments than the model has blocks; reduce_scatter on a swarm
+            argument = f"fragments={fragments}" if "fragment" in str(exc) else f"transport={transport!r}"
+            raise ValueError(f"DiLoCo({argument}): {exc}") from None
         self.last_update_norm: float | None = None
         self.records: list[SyncRecord] = []  # the syncs applied by the latest step() or sync()
         # A loss that is not finite, kept on the loss's device: reading it every step would be a host sync.

@@ -9,7 +9,7 @@ from test_helpers import params_of
 
 from muloco import DiLoCo
 from muloco.compress import get_compressor
-from muloco.config import CompressionConfig, load_config
+from muloco.config import CompressionConfig, HivemindBackendConfig, load_config
 from muloco.data import ReplicaStream
 from muloco.errors import TrainingError
 from muloco.lr_schedule import lr_multiplier
@@ -24,6 +24,7 @@ STAT4_EF = [
     "compression.granularity=row",
     "compression.error_feedback=true",
 ]
+STAT = CompressionConfig(scheme="statistical")
 STREAMING = ["sync.every=4", "sync.fragments=2", "sync.overlap=1", "sync.alpha=0.5"]
 
 
@@ -43,6 +44,7 @@ def user_loop(cfg, data, steps, diloco_kwargs=None, state=None):
         overlap=cfg.sync.overlap,
         alpha=cfg.sync.alpha,
         total_steps=cfg.total_steps,
+        transport=cfg.sync.transport,
         **(diloco_kwargs or {}),
     )
     stream = ReplicaStream(data.train, cfg.model.seq_len, 0, 1, cfg.run.seed)
@@ -70,8 +72,12 @@ def user_loop(cfg, data, steps, diloco_kwargs=None, state=None):
 
 @pytest.mark.parametrize(
     "extra",
-    [["inner.optimizer=muon"], ["inner.optimizer=muon", *STAT4_EF, *STREAMING]],
-    ids=["plain", "streaming-stat4-ef"],
+    [
+        ["inner.optimizer=muon"],
+        ["inner.optimizer=muon", *STAT4_EF, *STREAMING],
+        ["inner.optimizer=muon", *STAT4_EF, "sync.transport=reduce_scatter"],
+    ],
+    ids=["plain", "streaming-stat4-ef", "stat4-ef-reduce-scatter"],
 )
 def test_diloco_equals_muloco_train_bit_for_bit(tiny, extra):
     cfg = load_config(None, [*tiny, "workers=1", "sync.every=3", *extra])
@@ -153,6 +159,16 @@ def test_a_forced_sync_applies_everything_in_flight():
         ({"sync_every": 4, "alpha": 2.0}, "DiLoCo\\(alpha=...\\)"),
         ({"sync_every": 4, "backend": "torch"}, "backend must be None"),
         ({"sync_every": 4, "compression": "stat4"}, "compression must be"),
+        ({"sync_every": 4, "transport": "ring"}, "DiLoCo\\(transport=...\\)"),
+        (
+            {
+                "sync_every": 4,
+                "transport": "reduce_scatter",
+                "backend": HivemindBackendConfig(),
+                "compression": STAT,
+            },
+            "DiLoCo\\(transport='reduce_scatter'\\): .* needs backend.kind local or torch",
+        ),
         (
             {"sync_every": 4, "fragments": 2},
             "DiLoCo\\(fragments=2\\): sync.fragments \\(2\\) exceeds the model's 0 blocks",

@@ -129,7 +129,7 @@ class PartitionedCodec:
                 decoded = self._decode_pieces(pieces, payloads, self.mean_compressors)
             except (CompressionError, ValueError) as exc:
                 log.warning("part=%d: the owner's mean does not decode, the sync is skipped: %s", part, exc)
-                count, decoded = 0, []
+                count, decoded = 0, [torch.zeros(piece.shape(self.shapes[piece.tensor])) for piece in pieces]
             for piece, d in zip(pieces, decoded, strict=True):
                 piece.of(values[piece.tensor]).copy_(d)
             fewest = count if fewest is None else min(fewest, count)

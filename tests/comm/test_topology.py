@@ -34,9 +34,19 @@ def final_global_params(run_dir: Path):
             "sync.overlap=1",
             "compression.scheme=statistical",
             "compression.bits=4",
+            "sync.transport=all_gather",
+        ],
+        # The lead ranks reduce-scatter (each owns its worker's 2 parts) and broadcast to their worker.
+        [
+            "workers=4",
+            "inner.ns_dtype=fp32",
+            "compression.scheme=statistical",
+            "compression.bits=4",
+            "compression.error_feedback=true",
+            "sync.transport=reduce_scatter",
         ],
     ],
-    ids=["K2xR2-adamw", "K2xR2-distributed-muon", "hybrid-streaming-4bit"],
+    ids=["K2xR2-adamw", "K2xR2-distributed-muon", "hybrid-streaming-4bit", "hybrid-4bit-ef-reduce-scatter"],
 )
 def test_workers_of_two_ranks_equal_the_simulation(tmp_path, TINY, extra):
     common = [

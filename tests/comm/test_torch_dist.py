@@ -39,6 +39,7 @@ def final_global_params(run_dir: Path):
 
 
 STAT4_EF = ["compression.scheme=statistical", "compression.bits=4", "compression.error_feedback=true"]
+STAT4_EF_RS = [*STAT4_EF, "sync.transport=reduce_scatter"]
 
 
 @pytest.mark.parametrize(
@@ -50,9 +51,11 @@ STAT4_EF = ["compression.scheme=statistical", "compression.bits=4", "compression
         # difference flips bf16 roundings and grows to ~1e-2 relative after the next round.)
         ("muon", ["inner.ns_dtype=fp32"], 1e-6),
         # Compressed: every process decodes every replica's payload in replica order, as the simulation.
-        ("muon", STAT4_EF, 0.0),
+        ("muon", [*STAT4_EF, "sync.transport=all_gather"], 0.0),
+        # Reduce-scatter: the owners' means are all-gathered and decoded by every process.
+        ("muon", STAT4_EF_RS, 0.0),
     ],
-    ids=["adamw-fp32", "muon-fp32", "muon-statistical4-ef"],
+    ids=["adamw-fp32", "muon-fp32", "muon-statistical4-ef", "muon-statistical4-ef-reduce-scatter"],
 )
 def test_simulation_equals_4x1_and_2x2_processes(tmp_path, TINY, inner, compression, rtol):
     common = [
@@ -94,8 +97,12 @@ def test_simulation_equals_4x1_and_2x2_processes(tmp_path, TINY, inner, compress
 
 @pytest.mark.parametrize(
     "extra, rtol",
-    [(["inner.optimizer=adamw"], 1e-6), (["inner.ns_dtype=fp32", *STAT4_EF], 0.0)],
-    ids=["adamw-fp32", "muon-statistical4-ef"],
+    [
+        (["inner.optimizer=adamw"], 1e-6),
+        (["inner.ns_dtype=fp32", *STAT4_EF], 0.0),
+        (["inner.ns_dtype=fp32", *STAT4_EF_RS], 0.0),
+    ],
+    ids=["adamw-fp32", "muon-statistical4-ef", "muon-statistical4-ef-reduce-scatter"],
 )
 def test_streaming_over_processes_equals_the_simulation(tmp_path, TINY, extra, rtol):
     """Streaming (P = 2, tau = 1, alpha = 0.5): the torch backend starts each fragment's collective, keeps
@@ -292,7 +299,9 @@ def test_torchrun_works_with_the_local_backend_config(tmp_path, TINY):
 
 
 @pytest.mark.parametrize(
-    "extra", [["inner.optimizer=adamw"], STAT4_EF], ids=["adamw-fp32", "muon-statistical4-ef"]
+    "extra",
+    [["inner.optimizer=adamw"], STAT4_EF, STAT4_EF_RS],
+    ids=["adamw-fp32", "muon-statistical4-ef", "muon-statistical4-ef-reduce-scatter"],
 )
 def test_resume_over_processes_is_bitwise_identical(tmp_path, TINY, extra):
     """2R outer steps in one go == R steps, stop, resume, R steps: 2 torch processes, bit for bit."""
@@ -322,3 +331,8 @@ def test_resume_over_processes_is_bitwise_identical(tmp_path, TINY, extra):
             assert torch.equal(x, y)
         for x, y in zip(a["replicas"][0]["model"].values(), b["replicas"][0]["model"].values(), strict=True):
             assert torch.equal(x, y)
+        # reduce_scatter: each rank's part owner kept its second-stage error feedback through the resume.
+        for owner_a, owner_b in zip(a["engine"]["owner_error_feedback"], b["engine"]["owner_error_feedback"]):
+            assert (owner_a is None) == (owner_b is None) == ("sync.transport=reduce_scatter" not in extra)
+            for key, value in (owner_a or {"buffers": {}})["buffers"].items():
+                assert torch.equal(value, owner_b["buffers"][key])
