@@ -92,7 +92,12 @@ class DiLoCo:
                 f"sync_every must be an integer >= 1 (H, inner steps between syncs), got {sync_every}"
             )
         sync = _section(
-            SyncConfig, every=sync_every, fragments=fragments, overlap=overlap, alpha=alpha, transport=transport
+            SyncConfig,
+            every=sync_every,
+            fragments=fragments,
+            overlap=overlap,
+            alpha=alpha,
+            transport=transport,
         )
         outer = _section(OuterConfig, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
         if compression is not None and not isinstance(compression, Compressor | CompressionConfig):

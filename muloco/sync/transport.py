@@ -31,11 +31,10 @@ def choose_transport(
         if requested == "reduce_scatter":
             raise UserError("sync.transport=reduce_scatter needs backend.kind local or torch; use auto")
         return "all_gather"
-    if requested != "auto":
-        return requested
-    chosen = faster_transport(link, message_bytes, mean_bytes, workers)
+    chosen = requested if requested != "auto" else faster_transport(link, message_bytes, mean_bytes, workers)
     log.info(
-        "sync.transport=auto: %s (K=%d, message %.0f B, owners' mean %.0f B, link %s)",
+        "sync.transport=%s: %s (K=%d, message %.0f B, owners' mean %.0f B, link %s)",
+        requested,
         chosen,
         workers,
         message_bytes,
