@@ -1,0 +1,178 @@
+"""all_gather vs reduce_scatter (sync.transport): final val loss per method, K, bits and error feedback, from
+the sweeps pico_transport and pico_transport_mean_bits (docs/results.md, "Transports"), and the quickstart
+check of the 400x target (quickstart_transport).
+
+    muloco sweep configs/sweeps/pico_transport.yaml --jobs 2
+    muloco sweep configs/sweeps/pico_transport_mean_bits.yaml --jobs 2
+    muloco sweep configs/sweeps/quickstart_transport.yaml --jobs 2
+    python experiments/paper_check/transport_tables.py [--root runs/sweeps] [--json out.json]
+
+"vs all_gather" is (reduce_scatter loss / all_gather loss - 1) x 100 for the same seed, then the mean over
+seeds (each seed's pair shares data order and initialization, so the pair differs only in the transport).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from muloco.report import RunRecord, load_runs
+
+OPTIMIZERS = {"adamw": "DiLoCo (AdamW)", "muon": "MuLoCo (Muon)"}
+
+
+def completed(directory: Path) -> list[RunRecord]:
+    return [r for r in load_runs(directory) if r.completed] if directory.is_dir() else []
+
+
+def pick(runs: list[RunRecord], **where) -> list[RunRecord]:
+    return [r for r in runs if all(r.config.get(k.replace("__", ".")) == v for k, v in where.items())]
+
+
+def by_seed(runs: list[RunRecord]) -> dict[int, float]:
+    return {r.config["run.seed"]: r.loss for r in runs}
+
+
+def pct(a: dict[int, float], b: dict[int, float]) -> list[float]:
+    """Same-seed (a / b - 1) x 100 for the seeds both have."""
+    return [100 * (a[s] / b[s] - 1) for s in sorted(a.keys() & b.keys())]
+
+
+def fmt_losses(losses: dict[int, float]) -> str:
+    return " / ".join(f"{losses[s]:.4f}" for s in sorted(losses)) or "-"
+
+
+def fmt_pct(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.mean(values):+.2f}% ({' / '.join(f'{v:+.2f}' for v in values)})"
+
+
+def transport_table(main: list[RunRecord], wide: list[RunRecord]) -> tuple[str, list[dict]]:
+    lines = [
+        "| method | K | bits | EF | all_gather (seed 0 / 1) | reduce_scatter (seed 0 / 1) | vs all_gather "
+        "| reduce_scatter, mean_bits 4 | vs all_gather |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = []
+    for optimizer, label in OPTIMIZERS.items():
+        for K in (4, 8):
+            for bits in (8, 4, 2):
+                for ef in (False, True):
+                    cell = dict(inner__optimizer=optimizer, workers=K, compression__error_feedback=ef)
+                    gather = by_seed(pick(main, **cell, compression__bits=bits, sync__transport="all_gather"))
+                    scatter = by_seed(
+                        pick(main, **cell, compression__bits=bits, sync__transport="reduce_scatter")
+                    )
+                    wider = by_seed(pick(wide, **cell, compression__bits=bits)) if bits == 2 else {}
+                    if not gather and not scatter:
+                        continue
+                    rows.append(
+                        {
+                            "method": optimizer,
+                            "K": K,
+                            "bits": bits,
+                            "error_feedback": ef,
+                            "all_gather": gather,
+                            "reduce_scatter": scatter,
+                            "reduce_scatter_vs_all_gather_pct": pct(scatter, gather),
+                            "reduce_scatter_mean4": wider,
+                            "reduce_scatter_mean4_vs_all_gather_pct": pct(wider, gather),
+                        }
+                    )
+                    lines.append(
+                        f"| {label} | {K} | {bits} | {'yes' if ef else 'no'} | {fmt_losses(gather)} | "
+                        f"{fmt_losses(scatter)} | {fmt_pct(pct(scatter, gather))} | "
+                        f"{fmt_losses(wider) if wider else ''} | "
+                        f"{fmt_pct(pct(wider, gather)) if wider else ''} |"
+                    )
+    return "\n".join(lines), rows
+
+
+def summary_table(rows: list[dict]) -> str:
+    """The mean same-seed difference per bits (and second stage), over methods, K and EF."""
+    lines = [
+        "| bits | second stage | runs (pairs) | mean vs all_gather | worst cell (mean of seeds) |",
+        "|---|---|---|---|---|",
+    ]
+    for bits in (8, 4, 2):
+        for key, stage in (
+            ("reduce_scatter_vs_all_gather_pct", "same bits"),
+            ("reduce_scatter_mean4_vs_all_gather_pct", "4 bits"),
+        ):
+            cells = [r[key] for r in rows if r["bits"] == bits and r[key]]
+            if not cells:
+                continue
+            pairs = [v for c in cells for v in c]
+            worst = max(statistics.mean(c) for c in cells)
+            lines.append(
+                f"| {bits} | {stage} | {len(pairs)} | {statistics.mean(pairs):+.2f}% | {worst:+.2f}% |"
+            )
+    return "\n".join(lines)
+
+
+def quickstart_table(runs: list[RunRecord]) -> tuple[str, list[dict]]:
+    """MuLoCo at H = 30: fp32 vs 2-bit over both transports; bytes against DDP at equal tokens."""
+    lines = [
+        "| run | transport | bits | final loss (seed 0 / 1) | vs fp32 | MB sent per worker "
+        "| DDP MB at equal tokens | x fewer than DDP |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    fp32 = by_seed(pick(runs, compression__scheme="none"))
+    rows = []
+    for scheme, transport in (
+        ("none", None),
+        ("statistical", "all_gather"),
+        ("statistical", "reduce_scatter"),
+    ):
+        chosen = (
+            pick(runs, compression__scheme=scheme)
+            if transport is None
+            else pick(runs, compression__scheme=scheme, sync__transport=transport)
+        )
+        if not chosen:
+            continue
+        losses = by_seed(chosen)
+        sent = statistics.mean(r.summary["bytes_sent_per_worker"] for r in chosen) / 1e6
+        ddp = statistics.mean(r.summary["bytes_ddp_equivalent"] for r in chosen) / 1e6
+        bits = chosen[0].summary["bits"]
+        name = "fp32" if transport is None else f"{bits}-bit"
+        shown = chosen[0].summary["transport"]
+        rows.append(
+            {
+                "run": name,
+                "transport": shown,
+                "losses": losses,
+                "vs_fp32_pct": pct(losses, fp32),
+                "mb_sent": sent,
+                "ddp_mb": ddp,
+            }
+        )
+        lines.append(
+            f"| MuLoCo {name} | {shown} | {bits} | {fmt_losses(losses)} | "
+            f"{fmt_pct(pct(losses, fp32)) if transport else '-'} | {sent:.2f} | {ddp:.1f} | "
+            f"{ddp / sent:.0f} |"
+        )
+    return "\n".join(lines), rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, default=Path("runs/sweeps"))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    main_runs = completed(args.root / "pico_transport")
+    wide_runs = completed(args.root / "pico_transport_mean_bits")
+    table, rows = transport_table(main_runs, wide_runs)
+    print(f"## pico: all_gather vs reduce_scatter ({len(main_runs)} + {len(wide_runs)} runs)\n\n{table}\n")
+    print(f"## by bits\n\n{summary_table(rows)}\n")
+    quick, quick_rows = quickstart_table(completed(args.root / "quickstart_transport"))
+    print(f"## quickstart, MuLoCo H = 30\n\n{quick}")
+    if args.json:
+        args.json.write_text(json.dumps({"pico": rows, "quickstart": quick_rows}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
