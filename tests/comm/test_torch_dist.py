@@ -33,8 +33,8 @@ def sync_losses(run_dir: Path) -> list[float]:
     return [r["train_loss"] for r in records if r["kind"] == "sync"]
 
 
-def final_global_params(run_dir: Path):
-    state = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])
+def final_global_params(run_dir: Path, rank_dir: str = ""):
+    state = load_checkpoint(list_checkpoints(run_dir / "checkpoints" / rank_dir)[-1])
     return state["engine"]["outer"]["params"]
 
 
@@ -75,13 +75,15 @@ def test_simulation_equals_4x1_and_2x2_processes(tmp_path, TINY, inner, compress
     for nproc in (4, 2):
         result = launch(nproc, [*common, f"run.name=p{nproc}"])
         assert result.returncode == 0, result.stderr[-3000:]
-        got = final_global_params(tmp_path / f"p{nproc}")
-        assert len(got) == len(expected)
-        for a, b in zip(expected, got, strict=True):
-            if rtol == 0:
-                assert torch.equal(a, b), (a - b).abs().max()
-            else:
-                assert torch.allclose(a, b, rtol=rtol, atol=rtol * 0.1), (a - b).abs().max()
+        # Every rank holds the same global parameters (each checkpoints its own engine).
+        for rank_dir in ["", *(f"rank{r}" for r in range(1, nproc))]:
+            got = final_global_params(tmp_path / f"p{nproc}", rank_dir)
+            assert len(got) == len(expected)
+            for a, b in zip(expected, got, strict=True):
+                if rtol == 0:
+                    assert torch.equal(a, b), (a - b).abs().max()
+                else:
+                    assert torch.allclose(a, b, rtol=rtol, atol=rtol * 0.1), (a - b).abs().max()
         summary = json.loads((tmp_path / f"p{nproc}" / "summary.json").read_text())
         assert summary["outer_steps"] == 2 and summary["workers"] == 4
         # The logged train loss is the mean over all K replicas, whichever process hosts them.
