@@ -1,14 +1,19 @@
 """all_gather vs reduce_scatter (sync.transport): final val loss per method, K, bits and error feedback, from
-the sweeps pico_transport and pico_transport_mean_bits (docs/results.md, "Transports"), and the quickstart
-check of the 400x target (quickstart_transport).
+the sweeps pico_transport, pico_transport_owner_ef and pico_transport_mean_bits (docs/results.md,
+"Transports"), and the quickstart check of the 400x target (quickstart_transport).
 
     muloco sweep configs/sweeps/pico_transport.yaml --jobs 2
+    muloco sweep configs/sweeps/pico_transport_owner_ef.yaml --jobs 2
     muloco sweep configs/sweeps/pico_transport_mean_bits.yaml --jobs 2
     muloco sweep configs/sweeps/quickstart_transport.yaml --jobs 2
     python experiments/paper_check/transport_tables.py [--root runs/sweeps] [--json out.json]
 
 "vs all_gather" is (reduce_scatter loss / all_gather loss - 1) x 100 for the same seed, then the mean over
 seeds (each seed's pair shares data order and initialization, so the pair differs only in the transport).
+The reduce_scatter column is the second stage at the same bits with the part owners' error feedback on
+(pico_transport's runs with EF, pico_transport_owner_ef's without); "owners' EF off" is pico_transport's
+runs without EF, whose owners had none; "4-bit means" is the default at 2 bits (pico_transport_mean_bits'
+runs with EF, pico_transport_owner_ef's without).
 """
 
 from __future__ import annotations
@@ -50,11 +55,13 @@ def fmt_pct(values: list[float]) -> str:
     return f"{statistics.mean(values):+.2f}% ({' / '.join(f'{v:+.2f}' for v in values)})"
 
 
-def transport_table(main: list[RunRecord], wide: list[RunRecord]) -> tuple[str, list[dict]]:
+def transport_table(
+    main: list[RunRecord], owner_ef: list[RunRecord], wide: list[RunRecord]
+) -> tuple[str, list[dict]]:
     lines = [
         "| method | K | bits | EF | all_gather (seed 0 / 1) | reduce_scatter (seed 0 / 1) | vs all_gather "
-        "| reduce_scatter, mean_bits 4 | vs all_gather |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| owners' EF off | vs all_gather | 4-bit means (2-bit default) | vs all_gather |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
     for optimizer, label in OPTIMIZERS.items():
@@ -62,12 +69,19 @@ def transport_table(main: list[RunRecord], wide: list[RunRecord]) -> tuple[str, 
             for bits in (8, 4, 2):
                 for ef in (False, True):
                     cell = dict(inner__optimizer=optimizer, workers=K, compression__error_feedback=ef)
-                    gather = by_seed(pick(main, **cell, compression__bits=bits, sync__transport="all_gather"))
-                    scatter = by_seed(
-                        pick(main, **cell, compression__bits=bits, sync__transport="reduce_scatter")
+                    same = dict(**cell, compression__bits=bits)
+                    gather = by_seed(pick(main, **same, sync__transport="all_gather"))
+                    scatter_main = by_seed(pick(main, **same, sync__transport="reduce_scatter"))
+                    scatter = (
+                        scatter_main if ef else by_seed(pick(owner_ef, **same, compression__mean_bits=bits))
                     )
-                    wider = by_seed(pick(wide, **cell, compression__bits=bits)) if bits == 2 else {}
-                    if not gather and not scatter:
+                    owner_off = {} if ef else scatter_main
+                    wider = {}
+                    if bits == 2:  # the default second stage at 2 bits: 4-bit means, owners' EF on
+                        wider = by_seed(
+                            pick(wide, **same) if ef else pick(owner_ef, **same, compression__mean_bits=4)
+                        )
+                    if not gather:
                         continue
                     rows.append(
                         {
@@ -78,37 +92,42 @@ def transport_table(main: list[RunRecord], wide: list[RunRecord]) -> tuple[str, 
                             "all_gather": gather,
                             "reduce_scatter": scatter,
                             "reduce_scatter_vs_all_gather_pct": pct(scatter, gather),
-                            "reduce_scatter_mean4": wider,
-                            "reduce_scatter_mean4_vs_all_gather_pct": pct(wider, gather),
+                            "owners_ef_off": owner_off,
+                            "owners_ef_off_vs_all_gather_pct": pct(owner_off, gather),
+                            "mean_bits4": wider,
+                            "mean_bits4_vs_all_gather_pct": pct(wider, gather),
                         }
                     )
+                    optional = [(owner_off, pct(owner_off, gather)), (wider, pct(wider, gather))]
+                    extra = " | ".join(f"{fmt_losses(v)} | {fmt_pct(p)}" if v else " | " for v, p in optional)
                     lines.append(
                         f"| {label} | {K} | {bits} | {'yes' if ef else 'no'} | {fmt_losses(gather)} | "
-                        f"{fmt_losses(scatter)} | {fmt_pct(pct(scatter, gather))} | "
-                        f"{fmt_losses(wider) if wider else ''} | "
-                        f"{fmt_pct(pct(wider, gather)) if wider else ''} |"
+                        f"{fmt_losses(scatter)} | {fmt_pct(pct(scatter, gather))} | {extra} |"
                     )
     return "\n".join(lines), rows
 
 
 def summary_table(rows: list[dict]) -> str:
-    """The mean same-seed difference per bits (and second stage), over methods, K and EF."""
+    """The mean same-seed difference per bits and second stage, over methods, K and EF."""
     lines = [
-        "| bits | second stage | runs (pairs) | mean vs all_gather | worst cell (mean of seeds) |",
+        "| bits | second stage | pairs | mean vs all_gather | best / worst cell (mean of its seeds) |",
         "|---|---|---|---|---|",
     ]
+    stages = (
+        ("reduce_scatter_vs_all_gather_pct", "same bits, owners' EF (default)"),
+        ("owners_ef_off_vs_all_gather_pct", "same bits, owners' EF off (no-EF cells)"),
+        ("mean_bits4_vs_all_gather_pct", "4 bits, owners' EF (2-bit default)"),
+    )
     for bits in (8, 4, 2):
-        for key, stage in (
-            ("reduce_scatter_vs_all_gather_pct", "same bits"),
-            ("reduce_scatter_mean4_vs_all_gather_pct", "4 bits"),
-        ):
+        for key, stage in stages:
             cells = [r[key] for r in rows if r["bits"] == bits and r[key]]
             if not cells:
                 continue
             pairs = [v for c in cells for v in c]
-            worst = max(statistics.mean(c) for c in cells)
+            means = [statistics.mean(c) for c in cells]
             lines.append(
-                f"| {bits} | {stage} | {len(pairs)} | {statistics.mean(pairs):+.2f}% | {worst:+.2f}% |"
+                f"| {bits} | {stage} | {len(pairs)} | {statistics.mean(pairs):+.2f}% | "
+                f"{min(means):+.2f}% / {max(means):+.2f}% |"
             )
     return "\n".join(lines)
 
@@ -116,44 +135,52 @@ def summary_table(rows: list[dict]) -> str:
 def quickstart_table(runs: list[RunRecord]) -> tuple[str, list[dict]]:
     """MuLoCo at H = 30: fp32 vs 2-bit over both transports; bytes against DDP at equal tokens."""
     lines = [
-        "| run | transport | bits | final loss (seed 0 / 1) | vs fp32 | MB sent per worker "
+        "| run | transport | owners' means | final loss (seed 0 / 1) | vs fp32 | MB sent per worker "
         "| DDP MB at equal tokens | x fewer than DDP |",
         "|---|---|---|---|---|---|---|---|",
     ]
     fp32 = by_seed(pick(runs, compression__scheme="none"))
+    cases = (
+        ("fp32", dict(compression__scheme="none")),
+        ("2-bit", dict(compression__scheme="statistical", sync__transport="all_gather")),
+        (
+            "2-bit",
+            dict(
+                compression__scheme="statistical", sync__transport="reduce_scatter", compression__mean_bits=2
+            ),
+        ),
+        (
+            "2-bit",
+            dict(
+                compression__scheme="statistical", sync__transport="reduce_scatter", compression__mean_bits=4
+            ),
+        ),
+    )
     rows = []
-    for scheme, transport in (
-        ("none", None),
-        ("statistical", "all_gather"),
-        ("statistical", "reduce_scatter"),
-    ):
-        chosen = (
-            pick(runs, compression__scheme=scheme)
-            if transport is None
-            else pick(runs, compression__scheme=scheme, sync__transport=transport)
-        )
+    for name, where in cases:
+        chosen = pick(runs, **where)
         if not chosen:
             continue
         losses = by_seed(chosen)
         sent = statistics.mean(r.summary["bytes_sent_per_worker"] for r in chosen) / 1e6
         ddp = statistics.mean(r.summary["bytes_ddp_equivalent"] for r in chosen) / 1e6
-        bits = chosen[0].summary["bits"]
-        name = "fp32" if transport is None else f"{bits}-bit"
-        shown = chosen[0].summary["transport"]
+        transport = chosen[0].summary["transport"]
+        means = f"{where['compression__mean_bits']}-bit" if "compression__mean_bits" in where else "-"
+        versus = pct(losses, fp32) if name != "fp32" else []
         rows.append(
             {
                 "run": name,
-                "transport": shown,
+                "transport": transport,
+                "mean_bits": where.get("compression__mean_bits"),
                 "losses": losses,
-                "vs_fp32_pct": pct(losses, fp32),
+                "vs_fp32_pct": versus,
                 "mb_sent": sent,
                 "ddp_mb": ddp,
             }
         )
         lines.append(
-            f"| MuLoCo {name} | {shown} | {bits} | {fmt_losses(losses)} | "
-            f"{fmt_pct(pct(losses, fp32)) if transport else '-'} | {sent:.2f} | {ddp:.1f} | "
-            f"{ddp / sent:.0f} |"
+            f"| MuLoCo {name} | {transport} | {means} | {fmt_losses(losses)} | {fmt_pct(versus)} | "
+            f"{sent:.2f} | {ddp:.1f} | {ddp / sent:.0f} |"
         )
     return "\n".join(lines), rows
 
@@ -164,9 +191,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     main_runs = completed(args.root / "pico_transport")
+    owner_runs = completed(args.root / "pico_transport_owner_ef")
     wide_runs = completed(args.root / "pico_transport_mean_bits")
-    table, rows = transport_table(main_runs, wide_runs)
-    print(f"## pico: all_gather vs reduce_scatter ({len(main_runs)} + {len(wide_runs)} runs)\n\n{table}\n")
+    table, rows = transport_table(main_runs, owner_runs, wide_runs)
+    counts = f"{len(main_runs)} + {len(owner_runs)} + {len(wide_runs)} runs"
+    print(f"## pico: all_gather vs reduce_scatter ({counts})\n\n{table}\n")
     print(f"## by bits\n\n{summary_table(rows)}\n")
     quick, quick_rows = quickstart_table(completed(args.root / "quickstart_transport"))
     print(f"## quickstart, MuLoCo H = 30\n\n{quick}")

@@ -257,6 +257,11 @@ class SyncConfig(Section):
         return self.fragments > 1 or self.overlap > 0 or self.alpha > 0
 
 
+# reduce_scatter's second stage: owners' means at 2 bits cost +0.5% of final loss against the all-gather in
+# the pico sweep, at 4 bits +0.1% (docs/results.md, "Transports"), so the default second stage has >= 4 bits.
+MIN_MEAN_BITS = 4
+
+
 class CompressionConfig(Section):
     scheme: Literal["none", "bf16", "linear", "statistical", "topk"] = Field(
         "none",
@@ -294,7 +299,14 @@ class CompressionConfig(Section):
     mean_bits: int | None = Field(
         None,
         description="sync.transport: reduce_scatter: bits of the part owners' re-quantized means (linear "
-        "and statistical; error feedback as error_feedback says); default: the same as bits.",
+        "and statistical); default: the same as bits, but at least 4 (a 2-bit second stage cost +0.5% of "
+        'final loss against the all-gather, a 4-bit one +0.1%: docs/results.md, "Transports").',
+    )
+    mean_error_feedback: bool = Field(
+        True,
+        description="sync.transport: reduce_scatter: each part owner keeps an error-feedback buffer for its "
+        "second quantization (ef_decay, ef_alpha), whatever error_feedback says: the sum of the applied "
+        "means then drifts from the exact one no more than the all-gather's (docs/transport.md).",
     )
 
     @field_validator("bits")
@@ -308,8 +320,13 @@ class CompressionConfig(Section):
     @classmethod
     def _supported_mean_bits(cls, bits: int | None) -> int | None:
         if bits is not None and bits not in QUANT_BITS:
-            raise ValueError(f"mean_bits must be {one_of(QUANT_BITS)} or null (same as bits), got {bits}")
+            raise ValueError(f"mean_bits must be {one_of(QUANT_BITS)} or null (the default), got {bits}")
         return bits
+
+    @property
+    def second_stage_bits(self) -> int:
+        """The bits of reduce_scatter's owners' means: mean_bits, by default max(bits, MIN_MEAN_BITS)."""
+        return self.mean_bits if self.mean_bits is not None else max(self.bits, MIN_MEAN_BITS)
 
     @field_validator("topk_value_bits")
     @classmethod

@@ -49,10 +49,25 @@ def global_norm(tensors: list[torch.Tensor]) -> float:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))).item()
 
 
+def owner_feedback(
+    compression: CompressionConfig | Compressor | None, transport: str
+) -> ErrorFeedback | None:
+    """A part owner's error feedback for its second quantization (reduce_scatter only): as
+    compression.mean_error_feedback says, with the section's ef_decay / ef_alpha; on, with the defaults,
+    for a bare compressor (the Python API)."""
+    if transport != "reduce_scatter":
+        return None
+    if isinstance(compression, CompressionConfig):
+        on = compression.mean_error_feedback
+        return ErrorFeedback(compression.ef_decay, compression.ef_alpha) if on else None
+    return ErrorFeedback()
+
+
 def mean_compression(compression: CompressionConfig | Compressor | None):
-    """The compression of the part owners' means (reduce_scatter): compression.mean_bits, else the same."""
-    if isinstance(compression, CompressionConfig) and compression.mean_bits is not None:
-        return compression.model_copy(update={"bits": compression.mean_bits})
+    """The compression of the part owners' means (reduce_scatter): a section's second_stage_bits; a bare
+    compressor (the Python API) compresses both stages."""
+    if isinstance(compression, CompressionConfig):
+        return compression.model_copy(update={"bits": compression.second_stage_bits})
     return compression
 
 
@@ -105,12 +120,7 @@ class SyncEngine:
             ErrorFeedback(ef.ef_decay, ef.ef_alpha) if with_ef else None for _ in range(local_replicas)
         ]
         # reduce_scatter: this process owns the parts of its replicas; the second quantization's buffers.
-        self.owner_feedback = [
-            ErrorFeedback(ef.ef_decay, ef.ef_alpha)
-            if with_ef and self.transport == "reduce_scatter"
-            else None
-            for _ in range(local_replicas)
-        ]
+        self.owner_feedback = [owner_feedback(compression, self.transport) for _ in range(local_replicas)]
         self.schedule = SyncSchedule(sync.every, sync.fragments, sync.overlap)
         self.alpha, self.streaming = sync.alpha, sync.streaming
         self.reducer, self.total_steps = reducer, total_steps

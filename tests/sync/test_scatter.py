@@ -13,7 +13,7 @@ from test_helpers import run_muloco
 from muloco.checkpoint import list_checkpoints
 from muloco.comm import LocalBackend, reduce_scatter_bytes, ring_allgather_bytes
 from muloco.compress import ErrorFeedback, get_compressor
-from muloco.config import load_config
+from muloco.config import CompressionConfig, load_config
 from muloco.sync import CollectiveReducer, Contribution
 from muloco.sync.codec import PseudogradientCodec, pack
 from muloco.sync.scatter import PartitionedCodec
@@ -119,6 +119,7 @@ def test_bytes_per_worker_are_constant_in_k_and_half_of_all_gather_at_k4(tiny):
             _, summary = tiny_run(
                 tiny,
                 "compression.bits=2",
+                "compression.mean_bits=2",
                 f"workers={K}",
                 f"sync.transport={transport}",
                 f"run.name={transport}{K}",
@@ -234,3 +235,46 @@ def test_a_replica_sending_a_malformed_part_is_left_out_by_the_guard_and_the_run
     left_out = [r["replicas_left_out"] for r in records if r["kind"] == "sync"]
     assert left_out[1] == 1 and sum(left_out) == 1
     assert "part=3 contribution=1: left out of the part's mean" in caplog.text
+
+
+def test_part_owners_keep_error_feedback_unless_told_not_to(tiny):
+    base = [
+        *tiny,
+        *STAT,
+        "train.batch_tokens=512",
+        "train.total_tokens=512",
+        "workers=4",
+        "sync.transport=reduce_scatter",
+    ]
+    default = Trainer(load_config(None, base)).engine
+    assert all(ef is None for ef in default.error_feedback)  # the workers': error_feedback is off
+    assert all(ef is not None and ef.decay == 0.9 for ef in default.owner_feedback)
+    off = Trainer(load_config(None, [*base, "compression.mean_error_feedback=false"])).engine
+    assert all(ef is None for ef in off.owner_feedback)
+    gather = Trainer(load_config(None, [*base, "sync.transport=all_gather"])).engine
+    assert all(ef is None for ef in gather.owner_feedback)
+
+
+def test_the_second_stage_has_at_least_4_bits_by_default(tiny):
+    assert [CompressionConfig(scheme="statistical", bits=b).second_stage_bits for b in (1, 2, 4, 8)] == [
+        4,
+        4,
+        4,
+        8,
+    ]
+    assert CompressionConfig(scheme="statistical", bits=2, mean_bits=2).second_stage_bits == 2
+    base = [
+        *tiny,
+        *STAT,
+        "train.batch_tokens=512",
+        "train.total_tokens=512",
+        "workers=4",
+        "compression.bits=2",
+    ]
+    engine = Trainer(load_config(None, base)).engine
+    quantized = [
+        c
+        for c, skipped in zip(engine.codecs[0].mean_compressors, engine.codecs[0].codec.skipped)
+        if not skipped
+    ]
+    assert quantized and all(c.bits == 4 for c in quantized)
