@@ -163,9 +163,8 @@ def main() -> None:
         ef = "yes" if r["ef"] else "no"
         print(
             f"{r['optimizer']:<6} {r['K']:>2} {r['bits']:>4} {ef:<3} {r['transport']:<15} "
-            f"{r['mean_bits'] or '-':>9} {owner:>8} {r['rel_error_mean']:8.4f} {r['error_vs_all_gather']:6.2f} "
-            f"{r['drift']:7.4f} "
-            f"{r['drift_vs_all_gather']:6.2f}"
+            f"{r['mean_bits'] or '-':>9} {owner:>8} {r['rel_error_mean']:8.4f} "
+            f"{r['error_vs_all_gather']:6.2f} {r['drift']:7.4f} {r['drift_vs_all_gather']:6.2f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
