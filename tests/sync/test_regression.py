@@ -42,6 +42,14 @@ CASES = {
         "sync.alpha=0.5",
     ],
     "dp": ["workers=2", "method=dp"],
+    # reduce-scatter: K = 4 parts, owners' means at 4 bits with their own error feedback (recorded when
+    # sync.transport was added; the cases above were unchanged by it).
+    "muloco_4bit_ef_reduce_scatter_k4": [
+        "workers=4",
+        "inner.optimizer=muon",
+        *STAT4_EF,
+        "sync.transport=reduce_scatter",
+    ],
 }
 GLOO_CASE = "gloo_2_processes"
 GLOO_OVERRIDES = ["workers=2", "inner.optimizer=muon", *STAT4_EF]
