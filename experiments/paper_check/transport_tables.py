@@ -5,6 +5,7 @@ the sweeps pico_transport, pico_transport_owner_ef and pico_transport_mean_bits 
     muloco sweep configs/sweeps/pico_transport.yaml --jobs 2
     muloco sweep configs/sweeps/pico_transport_owner_ef.yaml --jobs 2
     muloco sweep configs/sweeps/pico_transport_mean_bits.yaml --jobs 2
+    muloco sweep configs/sweeps/pico_transport_4bit_means8.yaml --jobs 2
     muloco sweep configs/sweeps/quickstart_transport.yaml --jobs 2
     python experiments/paper_check/transport_tables.py [--root runs/sweeps] [--json out.json]
 
@@ -12,8 +13,9 @@ the sweeps pico_transport, pico_transport_owner_ef and pico_transport_mean_bits 
 seeds (each seed's pair shares data order and initialization, so the pair differs only in the transport).
 The reduce_scatter column is the second stage at the same bits with the part owners' error feedback on
 (pico_transport's runs with EF, pico_transport_owner_ef's without); "owners' EF off" is pico_transport's
-runs without EF, whose owners had none; "4-bit means" is the default at 2 bits (pico_transport_mean_bits'
-runs with EF, pico_transport_owner_ef's without).
+runs without EF, whose owners had none; "wider means" re-quantizes the means at 4 bits for 2-bit messages
+(pico_transport_mean_bits' runs with EF, pico_transport_owner_ef's without) and at 8 bits for 4-bit ones
+(pico_transport_4bit_means8), the owners' EF on.
 """
 
 from __future__ import annotations
@@ -56,11 +58,11 @@ def fmt_pct(values: list[float]) -> str:
 
 
 def transport_table(
-    main: list[RunRecord], owner_ef: list[RunRecord], wide: list[RunRecord]
+    main: list[RunRecord], owner_ef: list[RunRecord], wide: list[RunRecord], wide8: list[RunRecord]
 ) -> tuple[str, list[dict]]:
     lines = [
         "| method | K | bits | EF | all_gather (seed 0 / 1) | reduce_scatter (seed 0 / 1) | vs all_gather "
-        "| owners' EF off | vs all_gather | 4-bit means (2-bit default) | vs all_gather |",
+        "| owners' EF off | vs all_gather | wider means (2 -> 4, 4 -> 8 bits) | vs all_gather |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
@@ -76,11 +78,13 @@ def transport_table(
                         scatter_main if ef else by_seed(pick(owner_ef, **same, compression__mean_bits=bits))
                     )
                     owner_off = {} if ef else scatter_main
-                    wider = {}
-                    if bits == 2:  # the default second stage at 2 bits: 4-bit means, owners' EF on
+                    wider = {}  # a wider second stage, owners' EF on: 4-bit means at 2 bits, 8-bit at 4
+                    if bits == 2:
                         wider = by_seed(
                             pick(wide, **same) if ef else pick(owner_ef, **same, compression__mean_bits=4)
                         )
+                    elif bits == 4:
+                        wider = by_seed(pick(wide8, **same))
                     if not gather:
                         continue
                     rows.append(
@@ -94,8 +98,8 @@ def transport_table(
                             "reduce_scatter_vs_all_gather_pct": pct(scatter, gather),
                             "owners_ef_off": owner_off,
                             "owners_ef_off_vs_all_gather_pct": pct(owner_off, gather),
-                            "mean_bits4": wider,
-                            "mean_bits4_vs_all_gather_pct": pct(wider, gather),
+                            "wider": wider,
+                            "wider_vs_all_gather_pct": pct(wider, gather),
                         }
                     )
                     optional = [(owner_off, pct(owner_off, gather)), (wider, pct(wider, gather))]
@@ -116,7 +120,7 @@ def summary_table(rows: list[dict]) -> str:
     stages = (
         ("reduce_scatter_vs_all_gather_pct", "same bits, owners' EF (default)"),
         ("owners_ef_off_vs_all_gather_pct", "same bits, owners' EF off (no-EF cells)"),
-        ("mean_bits4_vs_all_gather_pct", "4 bits, owners' EF (2-bit default)"),
+        ("wider_vs_all_gather_pct", "wider (4 bits at 2, 8 at 4), owners' EF"),
     )
     for bits in (8, 4, 2):
         for key, stage in stages:
@@ -193,8 +197,9 @@ def main() -> None:
     main_runs = completed(args.root / "pico_transport")
     owner_runs = completed(args.root / "pico_transport_owner_ef")
     wide_runs = completed(args.root / "pico_transport_mean_bits")
-    table, rows = transport_table(main_runs, owner_runs, wide_runs)
-    counts = f"{len(main_runs)} + {len(owner_runs)} + {len(wide_runs)} runs"
+    wide8_runs = completed(args.root / "pico_transport_4bit_means8")
+    table, rows = transport_table(main_runs, owner_runs, wide_runs, wide8_runs)
+    counts = f"{len(main_runs)} + {len(owner_runs)} + {len(wide_runs)} + {len(wide8_runs)} runs"
     print(f"## pico: all_gather vs reduce_scatter ({counts})\n\n{table}\n")
     print(f"## by bits\n\n{summary_table(rows)}\n")
     quick, quick_rows = quickstart_table(completed(args.root / "quickstart_transport"))
