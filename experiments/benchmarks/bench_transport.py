@@ -30,9 +30,23 @@ import tempfile
 import time
 from pathlib import Path
 
+from muloco.config import CompressionConfig
+
 OUT = Path(__file__).parent / "results" / "bench_transport.json"
 BITS = (8, 4, 2)
-CASES = ["ddp_fp32", *(f"{t}_{b}bit" for b in BITS for t in ("all_gather", "reduce_scatter"))]
+
+
+def default_mean_bits(bits: int) -> int:
+    return CompressionConfig(scheme="statistical", bits=bits).second_stage_bits
+
+
+# Per bits: the all-gather, the reduce-scatter with means at the same bits, and with the default second
+# stage (compression.mean_bits unset) where that is wider.
+CASES = ["ddp_fp32"]
+for _b in BITS:
+    CASES += [f"all_gather_{_b}bit", f"reduce_scatter_{_b}bit"]
+    if default_mean_bits(_b) != _b:
+        CASES.append(f"reduce_scatter_{_b}bit_means{default_mean_bits(_b)}")
 
 
 # -- one worker (a process of its own, started by the parent in a namespace) --------------------------------
@@ -41,7 +55,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
     from muloco.comm import ring_allreduce_bytes
     from muloco.comm.torch_dist import TorchDistBackend
-    from muloco.config import CompressionConfig, ModelConfig
+    from muloco.config import ModelConfig
     from muloco.models import build_model, param_roles
     from muloco.sync import CollectiveReducer, Contribution
     from muloco.sync.codec import PseudogradientCodec
@@ -65,6 +79,11 @@ def run_worker(args: argparse.Namespace) -> None:
         )
         codecs[f"all_gather_{bits}bit"] = codec
         codecs[f"reduce_scatter_{bits}bit"] = PartitionedCodec(codec, shapes, K, codec.compressors)
+        wide = default_mean_bits(bits)
+        if wide != bits:
+            wide_cfg = CompressionConfig(scheme="statistical", bits=wide)
+            means = PseudogradientCodec.from_config(names, roles, wide_cfg).compressors
+            codecs[f"reduce_scatter_{bits}bit_means{wide}"] = PartitionedCodec(codec, shapes, K, means)
 
     def wire_bytes() -> int:
         path = f"/sys/class/net/{args.iface}/statistics/tx_bytes"
@@ -182,7 +201,7 @@ def summarize(per_rank: list[list[dict]], K: int, link: str, loopback_shared: bo
     by_case = {r["case"]: r for r in rows}
     for r in rows:
         if r["case"] != "ddp_fp32":
-            bits = r["case"].rsplit("_", 1)[1]
+            bits = r["case"].split("_")[2]
             gather = by_case[f"all_gather_{bits}"]
             r["bytes_vs_all_gather"] = gather["counted_mb"] / r["counted_mb"]
             r["bytes_vs_ddp_sync"] = by_case["ddp_fp32"]["counted_mb"] / r["counted_mb"]
@@ -191,7 +210,7 @@ def summarize(per_rank: list[list[dict]], K: int, link: str, loopback_shared: bo
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'K':>2} {'link':<12} {'case':<22} {'counted MB':>10} {'wire MB':>8} {'wire/cnt':>8} "
+        f"{'K':>2} {'link':<12} {'case':<28} {'counted MB':>10} {'wire MB':>8} {'wire/cnt':>8} "
         f"{'x fewer vs AG':>13} {'x vs DDP':>8} {'sync s (min-max)':>22}"
     )
     print(header)
@@ -203,7 +222,7 @@ def print_table(rows: list[dict]) -> None:
         vs_ddp = f"{r['bytes_vs_ddp_sync']:8.1f}" if "bytes_vs_ddp_sync" in r else f"{'-':>8}"
         spread = f"{r['sync_s']:.3f} ({r['sync_s_min']:.3f}-{r['sync_s_max']:.3f})"
         print(
-            f"{r['K']:>2} {r['link']:<12} {r['case']:<22} {r['counted_mb']:10.2f} {wire} {ratio} {vs_ag} "
+            f"{r['K']:>2} {r['link']:<12} {r['case']:<28} {r['counted_mb']:10.2f} {wire} {ratio} {vs_ag} "
             f"{vs_ddp} {spread:>22}"
         )
 
