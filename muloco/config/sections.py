@@ -257,9 +257,11 @@ class SyncConfig(Section):
         return self.fragments > 1 or self.overlap > 0 or self.alpha > 0
 
 
-# reduce_scatter's second stage: owners' means at 2 bits cost +0.5% of final loss against the all-gather in
-# the pico sweep, at 4 bits +0.1% (docs/results.md, "Transports"), so the default second stage has >= 4 bits.
-MIN_MEAN_BITS = 4
+# reduce_scatter's second stage by default: the owners' means at twice the bits, within [4, 8]. In the pico
+# sweep (docs/results.md, "Transports"; mean of 16 same-seed pairs against the all-gather) same-bit means
+# cost +0.46% at 2 bits and +0.23% at 4, 4-bit means for 2-bit messages +0.12%, 8-bit for 4-bit +0.08%,
+# 8-bit for 8-bit -0.07%. 1 bit was not measured; it gets 4 as 2 bits does.
+DEFAULT_MEAN_BITS = {1: 4, 2: 4, 4: 8, 8: 8}
 
 
 class CompressionConfig(Section):
@@ -325,8 +327,8 @@ class CompressionConfig(Section):
 
     @property
     def second_stage_bits(self) -> int:
-        """The bits of reduce_scatter's owners' means: mean_bits, by default max(bits, MIN_MEAN_BITS)."""
-        return self.mean_bits if self.mean_bits is not None else max(self.bits, MIN_MEAN_BITS)
+        """The bits of reduce_scatter's owners' means: mean_bits, by default DEFAULT_MEAN_BITS[bits]."""
+        return self.mean_bits if self.mean_bits is not None else DEFAULT_MEAN_BITS[self.bits]
 
     @field_validator("topk_value_bits")
     @classmethod

@@ -255,13 +255,9 @@ def test_part_owners_keep_error_feedback_unless_told_not_to(tiny):
     assert all(ef is None for ef in gather.owner_feedback)
 
 
-def test_the_second_stage_has_at_least_4_bits_by_default(tiny):
-    assert [CompressionConfig(scheme="statistical", bits=b).second_stage_bits for b in (1, 2, 4, 8)] == [
-        4,
-        4,
-        4,
-        8,
-    ]
+def test_the_second_stage_has_twice_the_bits_within_4_and_8_by_default(tiny):
+    defaults = [CompressionConfig(scheme="statistical", bits=b).second_stage_bits for b in (1, 2, 4, 8)]
+    assert defaults == [4, 4, 8, 8]
     assert CompressionConfig(scheme="statistical", bits=2, mean_bits=2).second_stage_bits == 2
     base = [
         *tiny,
