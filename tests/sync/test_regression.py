@@ -42,8 +42,8 @@ CASES = {
         "sync.alpha=0.5",
     ],
     "dp": ["workers=2", "method=dp"],
-    # reduce-scatter: K = 4 parts, owners' means at 4 bits with their own error feedback (recorded when
-    # sync.transport was added; the cases above were unchanged by it).
+    # reduce-scatter: K = 4 parts, owners' means at 8 bits (the default) with their own error feedback
+    # (recorded when sync.transport was added; the cases above were unchanged by it).
     "muloco_4bit_ef_reduce_scatter_k4": [
         "workers=4",
         "inner.optimizer=muon",
