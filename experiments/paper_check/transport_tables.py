@@ -118,9 +118,9 @@ def summary_table(rows: list[dict]) -> str:
         "|---|---|---|---|---|",
     ]
     stages = (
-        ("reduce_scatter_vs_all_gather_pct", "same bits, owners' EF (default)"),
+        ("reduce_scatter_vs_all_gather_pct", "same bits, owners' EF (the default at 8 bits)"),
         ("owners_ef_off_vs_all_gather_pct", "same bits, owners' EF off (no-EF cells)"),
-        ("wider_vs_all_gather_pct", "wider (4 bits at 2, 8 at 4), owners' EF"),
+        ("wider_vs_all_gather_pct", "twice the bits, owners' EF (the default at 2 and 4 bits)"),
     )
     for bits in (8, 4, 2):
         for key, stage in stages:
