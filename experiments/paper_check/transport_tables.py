@@ -9,6 +9,8 @@ the sweeps pico_transport, pico_transport_owner_ef and pico_transport_mean_bits 
     muloco sweep configs/sweeps/quickstart_transport.yaml --jobs 2
     python experiments/paper_check/transport_tables.py [--root runs/sweeps] [--json out.json]
 
+The numbers of docs/results.md, "Transports", are in transport_results.json (written with --json).
+
 "vs all_gather" is (reduce_scatter loss / all_gather loss - 1) x 100 for the same seed, then the mean over
 seeds (each seed's pair shares data order and initialization, so the pair differs only in the transport).
 The reduce_scatter column is the second stage at the same bits with the part owners' error feedback on

@@ -237,21 +237,20 @@ def test_a_replica_sending_a_malformed_part_is_left_out_by_the_guard_and_the_run
     assert "part=3 contribution=1: left out of the part's mean" in caplog.text
 
 
+def engine_of(tiny, *extra):
+    """The sync engine of a one-step K = 4 statistical run (built, not run)."""
+    base = [*tiny, *STAT, "train.batch_tokens=512", "train.total_tokens=512", "workers=4"]
+    return Trainer(load_config(None, [*base, *extra])).engine
+
+
 def test_part_owners_keep_error_feedback_unless_told_not_to(tiny):
-    base = [
-        *tiny,
-        *STAT,
-        "train.batch_tokens=512",
-        "train.total_tokens=512",
-        "workers=4",
-        "sync.transport=reduce_scatter",
-    ]
-    default = Trainer(load_config(None, base)).engine
+    base = ["sync.transport=reduce_scatter"]
+    default = engine_of(tiny, *base)
     assert all(ef is None for ef in default.error_feedback)  # the workers': error_feedback is off
     assert all(ef is not None and ef.decay == 0.9 for ef in default.owner_feedback)
-    off = Trainer(load_config(None, [*base, "compression.mean_error_feedback=false"])).engine
+    off = engine_of(tiny, *base, "compression.mean_error_feedback=false")
     assert all(ef is None for ef in off.owner_feedback)
-    gather = Trainer(load_config(None, [*base, "sync.transport=all_gather"])).engine
+    gather = engine_of(tiny, *base, "sync.transport=all_gather")
     assert all(ef is None for ef in gather.owner_feedback)
 
 
@@ -259,15 +258,7 @@ def test_the_second_stage_has_twice_the_bits_within_4_and_8_by_default(tiny):
     defaults = [CompressionConfig(scheme="statistical", bits=b).second_stage_bits for b in (1, 2, 4, 8)]
     assert defaults == [4, 4, 8, 8]
     assert CompressionConfig(scheme="statistical", bits=2, mean_bits=2).second_stage_bits == 2
-    base = [
-        *tiny,
-        *STAT,
-        "train.batch_tokens=512",
-        "train.total_tokens=512",
-        "workers=4",
-        "compression.bits=2",
-    ]
-    engine = Trainer(load_config(None, base)).engine
+    engine = engine_of(tiny, "compression.bits=2")
     quantized = [
         c
         for c, skipped in zip(engine.codecs[0].mean_compressors, engine.codecs[0].codec.skipped)
