@@ -9,6 +9,7 @@ Message layout (little-endian): u32 count, count x u64 lengths, then the payload
 
 from __future__ import annotations
 
+import logging
 import re
 import struct
 
@@ -23,6 +24,7 @@ from muloco.compress import (
 )
 from muloco.models.roles import ParamRole
 
+log = logging.getLogger("muloco")
 _COUNT = struct.Struct("<I")
 _LEN = struct.Struct("<Q")
 MAX_PARTS = 1 << 20  # no model here has a million tensors: a larger count is a corrupt message
@@ -89,32 +91,44 @@ class PseudogradientCodec:
                 payloads.append(comp.encode(d))
         return pack(payloads)
 
-    def decode_sum(self, message: bytes, out: list[torch.Tensor]) -> None:
-        """Add one replica's decoded pseudogradient into `out` (in place)."""
+    def decode(self, message: bytes, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One replica's decoded pseudogradient (fp32, on the CPU); CompressionError if it is malformed."""
         payloads = unpack(message)
         if len(payloads) != len(self.names):
             raise CompressionError(
                 f"sync message holds {len(payloads)} tensors, the model has {len(self.names)}"
             )
-        for acc, payload, comp, name in zip(out, payloads, self.compressors, self.names, strict=True):
+        out = []
+        for t, payload, comp, name in zip(like, payloads, self.compressors, self.names, strict=True):
             decoded = comp.decode(payload)
-            if decoded.shape != acc.shape:
-                raise CompressionError(f"{name}: decoded shape {tuple(decoded.shape)} != {tuple(acc.shape)}")
+            if decoded.shape != t.shape:
+                raise CompressionError(f"{name}: decoded shape {tuple(decoded.shape)} != {tuple(t.shape)}")
+            out.append(decoded)
+        return out
+
+    def decode_sum(self, message: bytes, out: list[torch.Tensor]) -> None:
+        """Add one replica's decoded pseudogradient into `out` (in place; nothing added if malformed)."""
+        for acc, decoded in zip(out, self.decode(message, out), strict=True):
             acc.add_(decoded.to(acc.device))
 
     def decode_mean(
         self, blobs: list[bytes], max_replicas: int, like: list[torch.Tensor]
     ) -> tuple[list[torch.Tensor] | None, int]:
         """Mean of every replica's message and how many there were; blobs are the processes' packed
-        messages in rank order (a process sends none for a replica left out of the sync)."""
+        messages in rank order (a process sends none for a replica left out of the sync). A message that
+        does not decode is left out and logged, on every process alike (they all decode the same bytes)."""
         total = [torch.zeros_like(t) for t in like]
-        seen = 0
+        seen = position = 0
         for blob in blobs:
             for message in unpack(blob):
-                self.decode_sum(message, total)
-                seen += 1
-        if seen > max_replicas:
-            raise CompressionError(f"sync received {seen} replica messages, more than K = {max_replicas}")
+                try:
+                    self.decode_sum(message, total)
+                    seen += 1
+                except CompressionError as exc:
+                    log.warning("message=%d: left out of the mean: %s", position, exc)
+                position += 1
+        if position > max_replicas:
+            raise CompressionError(f"sync received {position} replica messages, more than K = {max_replicas}")
         return ([t.div_(seen) for t in total] if seen else None), seen
 
     def payload_bits(self, shapes: list[torch.Size]) -> float:

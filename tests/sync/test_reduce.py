@@ -52,6 +52,23 @@ def test_compressed_mean_decodes_every_message_in_replica_order():
     assert pending.bytes_sent == ring_allgather_bytes(len(messages[0]), 2) and mean.left_out == 0
 
 
+def test_a_malformed_message_is_left_out_of_the_all_gather_mean_and_logged(caplog):
+    codec = PseudogradientCodec(["w"], [get_compressor("linear", bits=8)])
+    reducer = CollectiveReducer.over(LocalBackend(), workers=3)
+    deltas = [torch.randn(4, 8) for _ in range(3)]
+    messages = [codec.encode([d]) for d in deltas]
+    messages[1] = messages[1][:-5]  # cut short: its payload's CRC and sizes no longer add up
+    contribution = Contribution(0, 0, 3, [torch.zeros(4, 8)], float(len(messages[0])), None, messages, codec)
+    with caplog.at_level("WARNING", logger="muloco"):
+        mean = reducer.start_mean(contribution).wait()
+    expected = [torch.zeros(4, 8)]
+    for m in (messages[0], messages[2]):
+        codec.decode_sum(m, expected)
+    assert torch.equal(mean.values[0], expected[0] / 2)
+    assert (mean.contributors, mean.left_out) == (2, 1)
+    assert "message=1: left out of the mean" in caplog.text
+
+
 class RecordingReducer:
     """A fake reducer: the mean is what it was given, completed at once; it records the protocol calls."""
 
