@@ -56,6 +56,22 @@ def unpack(blob: bytes) -> list[bytes]:
     return parts
 
 
+def decode_payloads(
+    payloads: list[bytes], compressors: list[Compressor], names: list[str], shapes: list
+) -> list[torch.Tensor]:
+    """Each payload decoded by its compressor and checked against its tensor's shape (CompressionError
+    naming the tensor otherwise): the check of every message a sync receives, whole or in parts."""
+    if len(payloads) != len(shapes):
+        raise CompressionError(f"sync message holds {len(payloads)} tensors, expected {len(shapes)}")
+    out = []
+    for payload, comp, name, shape in zip(payloads, compressors, names, shapes, strict=True):
+        decoded = comp.decode(payload)
+        if tuple(decoded.shape) != tuple(shape):
+            raise CompressionError(f"{name}: decoded shape {tuple(decoded.shape)} != {tuple(shape)}")
+        out.append(decoded)
+    return out
+
+
 def is_skipped(name: str, role: ParamRole, skip: list[str]) -> bool:
     """compression.skip entries are role names (embedding, head, norm, bias, scalar) or name regexes."""
     roles = {r.value for r in ParamRole}
@@ -93,18 +109,7 @@ class PseudogradientCodec:
 
     def decode(self, message: bytes, like: list[torch.Tensor]) -> list[torch.Tensor]:
         """One replica's decoded pseudogradient (fp32, on the CPU); CompressionError if it is malformed."""
-        payloads = unpack(message)
-        if len(payloads) != len(self.names):
-            raise CompressionError(
-                f"sync message holds {len(payloads)} tensors, the model has {len(self.names)}"
-            )
-        out = []
-        for t, payload, comp, name in zip(like, payloads, self.compressors, self.names, strict=True):
-            decoded = comp.decode(payload)
-            if decoded.shape != t.shape:
-                raise CompressionError(f"{name}: decoded shape {tuple(decoded.shape)} != {tuple(t.shape)}")
-            out.append(decoded)
-        return out
+        return decode_payloads(unpack(message), self.compressors, self.names, [t.shape for t in like])
 
     def decode_sum(self, message: bytes, out: list[torch.Tensor]) -> None:
         """Add one replica's decoded pseudogradient into `out` (in place; nothing added if malformed)."""
@@ -137,4 +142,4 @@ class PseudogradientCodec:
         return 8.0 * (body + _COUNT.size + _LEN.size * len(shapes))
 
 
-__all__ = ["PseudogradientCodec", "is_skipped", "pack", "unpack"]
+__all__ = ["PseudogradientCodec", "decode_payloads", "is_skipped", "pack", "unpack"]

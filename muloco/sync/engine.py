@@ -142,7 +142,7 @@ class SyncEngine:
         message = sum(c.payload_bits(s) / 8 for c, s in zip(self.codecs, shapes, strict=True))
         mean = sum(c.payload_bits(s) / 8 for c, s in zip(mean_codecs, shapes, strict=True))
         link = wan.link if wan is not None else None
-        transport = choose_transport(sync.transport, workers, bool(self.codecs), link, message, mean)
+        transport = choose_transport(sync.transport, workers, True, link, message, mean)
         if transport == "reduce_scatter":
             self.codecs = [
                 PartitionedCodec(c, s, workers, m.compressors)

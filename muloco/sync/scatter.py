@@ -27,7 +27,7 @@ import struct
 import torch
 
 from muloco.compress import CompressionError, Compressor, ErrorFeedback
-from muloco.sync.codec import PseudogradientCodec, pack, unpack
+from muloco.sync.codec import PseudogradientCodec, decode_payloads, pack, unpack
 from muloco.sync.parts import Piece, assign_parts
 
 log = logging.getLogger("muloco")
@@ -139,18 +139,12 @@ class PartitionedCodec:
     def _decode_pieces(
         self, pieces: list[Piece], payloads: list[bytes], compressors: list[Compressor]
     ) -> list[torch.Tensor]:
-        if len(payloads) != len(pieces):
-            raise CompressionError(f"part message holds {len(payloads)} tensors, the part has {len(pieces)}")
-        out = []
-        for piece, payload in zip(pieces, payloads, strict=True):
-            decoded = compressors[piece.tensor].decode(payload)
-            expected = piece.shape(self.shapes[piece.tensor])
-            if tuple(decoded.shape) != expected:
-                raise CompressionError(
-                    f"{self.names[piece.tensor]}: decoded shape {tuple(decoded.shape)} != {expected}"
-                )
-            out.append(decoded)
-        return out
+        return decode_payloads(
+            payloads,
+            [compressors[p.tensor] for p in pieces],
+            [self.names[p.tensor] for p in pieces],
+            [p.shape(self.shapes[p.tensor]) for p in pieces],
+        )
 
 
 __all__ = ["PartitionedCodec"]
