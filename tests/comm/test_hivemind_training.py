@@ -98,7 +98,9 @@ def test_a_killed_peer_costs_the_others_at_most_a_timeout(tmp_path, TINY):
         summary = json.loads((tmp_path / f"swarm-peer{i}" / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["outer_steps"] == 8
         groups = [r["group_size"] for r in syncs(tmp_path / f"swarm-peer{i}")]
-        assert groups[:2] == [3, 3] and groups[-1] == 2
+        # The victim was in a group of 3 with them before the kill (under load, matchmaking may pair two
+        # peers for one of those syncs while the third is still alive: CI saw [3, 2]); only 2 at the end.
+        assert 3 in groups[:2] and groups[-1] == 2
     for a, b in zip(
         global_params(tmp_path / "swarm-peer0"), global_params(tmp_path / "swarm-peer1"), strict=True
     ):
