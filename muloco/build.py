@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import shutil
 
 import torch
 from torch import nn
@@ -39,6 +41,32 @@ def autocast_factory(precision: str, device: torch.device):
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+def cpu_compiler() -> str | None:
+    """The C++ compiler torch.compile's CPU backend (inductor) would use, or None when there is none."""
+    for name in (os.environ.get("CXX"), "g++", "clang++", "c++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def maybe_compile(model: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
+    """model.compile: `nn.Module.compile()` in place, so parameter and state_dict names stay as they are.
+
+    Every replica's module is a copy of one class: with torch's default inlining of nn.Modules their
+    parameters are graph inputs, so the K replicas and every round reuse one compiled graph
+    (tests/test_compile.py counts the graphs).
+    """
+    if not cfg.model.compile:
+        return model
+    if device.type == "cpu" and cpu_compiler() is None:
+        raise UserError(
+            "model.compile: torch.compile on the CPU needs a C++ compiler (g++ or clang++, or $CXX); "
+            "install one or set model.compile=false"
+        )
+    model.compile()
+    return model
+
+
 def diloco_replicas(
     cfg: Config,
     template: nn.Module,
@@ -55,6 +83,7 @@ def diloco_replicas(
     owners = worker.group if worker is not None and cfg.inner.distributed_muon else None
     for index, stream in zip(indices, streams, strict=True):
         model = copy.deepcopy(template).to(torch.device("cpu") if offload else device)
+        maybe_compile(model, cfg, device)
         optimizer = build_inner_optimizer(model, cfg.inner, process_group=owners)
         replica = Replica(index, model, optimizer, stream, device)
         replica.offload = offload
@@ -67,7 +96,7 @@ def diloco_replicas(
 
 def dp_replica(cfg: Config, template: nn.Module, index: int, stream, device) -> Replica:
     """dp: one model whose micro-batches are the K workers' batches."""
-    model = template.to(device)
+    model = maybe_compile(template.to(device), cfg, device)
     return Replica(index, model, build_inner_optimizer(model, cfg.inner), stream, device)
 
 
@@ -75,7 +104,7 @@ def alignment_probe(cfg: Config, template: nn.Module, train_data, device) -> Ali
     """diagnostics.alignment: a replica on the union of the K workers' batches (alignment.py)."""
     K = cfg.workers
     streams = [ReplicaStream(train_data, cfg.model.seq_len, r, K, cfg.run.seed) for r in range(K)]
-    model = copy.deepcopy(template).to(device)
+    model = maybe_compile(copy.deepcopy(template).to(device), cfg, device)
     replica = Replica(-1, model, build_inner_optimizer(model, cfg.inner), UnionStream(streams), device)
     roles = param_roles(model)
     matrices = [i for i, (n, _) in enumerate(model.named_parameters()) if roles[n] == ParamRole.MATRIX]

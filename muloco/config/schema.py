@@ -120,9 +120,9 @@ class Config(Section):
                 "diagnostics.alignment needs method: diloco on backend.kind=local without streaming "
                 "(sync.fragments=1, sync.overlap=0, sync.alpha=0); set diagnostics.alignment=false"
             )
-        if self.data.source == "tokens" and (self.data.path is None or self.data.vocab_size is None):
+        if self.data.source == "tokens" and self.data.path is None:
             raise ValueError(
-                "data.source: tokens needs data.path (a directory with train.bin) and data.vocab_size"
+                "data.source: tokens needs data.path (a directory with train.bin, val.bin and meta.json)"
             )
         if self.data.source == "text" and self.data.path is None:
             raise ValueError("data.source: text needs data.path (files, a directory or a glob)")
@@ -163,6 +163,11 @@ class Config(Section):
         for key in ("threads", "log_every", "eval_every", "eval_tokens", "max_bad_syncs"):
             data["train"].pop(key, None)
         # Keys added after checkpoints existed count only when set, so older checkpoints still resume.
-        if data["model"].get("qkv") == "fused":
-            del data["model"]["qkv"]
+        model = data["model"]
+        for key, default in (("qkv", "fused"), ("factory", None), ("kwargs", {}), ("hf", None)):
+            if model.get(key) == default:
+                del model[key]
+        model.pop("compile", None)  # where the maths runs, not what it is: resume with it on or off
+        if data["data"].get("dtype") is None:
+            data["data"]["dtype"] = "uint16"  # the default before meta.json existed
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -34,7 +34,9 @@ MODEL_PRESETS: dict[str, tuple[int, int, int]] = {
 
 class ModelConfig(Section):
     preset: Literal["pico", "nano", "micro", "small", "medium", "base"] = Field(
-        "micro", description="Size preset; `d_model`, `n_layers`, `n_heads` override its values."
+        "micro",
+        description="Size preset of the built-in GPT; `d_model`, `n_layers`, `n_heads` override its values "
+        "(these, mlp_ratio, norm and qkv are unused with model.factory or model.hf).",
     )
     d_model: int | None = Field(None, gt=0, description="Width. Default: from the preset.")
     n_layers: int | None = Field(None, gt=0, description="Number of transformer blocks. Default: preset.")
@@ -49,9 +51,40 @@ class ModelConfig(Section):
         description="Attention's query/key/value weights: one (3C, C) matrix, or three (C, C) ones as in "
         "Llama (the MuLoCo paper's models); Muon orthogonalizes each matrix as a whole.",
     )
+    factory: str | None = Field(
+        None,
+        description="Your own model instead of the built-in GPT: `package.module:function` returning an "
+        "`nn.Module` whose forward maps token ids (B, T) to logits (B, T, vocab) (docs/models.md). The "
+        "module is imported from the current directory or PYTHONPATH.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="factory: keyword arguments of the function; `vocab_size` and `seq_len` are filled in "
+        "from the data and model.seq_len when the function takes them and they are not set here.",
+    )
+    hf: str | dict[str, Any] | None = Field(
+        None,
+        description="A Hugging Face causal LM built from a config, random init, no download (`pip install -e "
+        '".[hf]"`): a local config.json (or its directory), or a mapping `{model_type: llama, hidden_size: '
+        "256, ...}` of overrides (optionally with `config: PATH`). vocab_size and the context length default "
+        "to the data's and model.seq_len.",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile every replica's model (and the dp baseline's): one graph shared by all "
+        "replicas and rounds (docs/models.md).",
+    )
 
     @model_validator(mode="after")
     def _fill_from_preset(self) -> ModelConfig:
+        if self.factory is not None and self.hf is not None:
+            raise ValueError("model.factory and model.hf name two models; keep one of them")
+        if self.kwargs and self.factory is None:
+            raise ValueError(
+                "model.kwargs applies to model.factory; set model.factory or remove model.kwargs"
+            )
+        if self.factory is not None and (":" not in self.factory or self.factory.count(":") != 1):
+            raise ValueError(f"model.factory: {self.factory!r} must look like 'package.module:function'")
         d_model, n_layers, n_heads = MODEL_PRESETS[self.preset]
         # object.__setattr__ avoids re-running validation on each assignment.
         if self.d_model is None:
@@ -79,8 +112,15 @@ class DataConfig(Section):
         description="tokens: a directory holding train.bin and val.bin; text: a file, directory or glob "
         "(or a list of them).",
     )
-    dtype: Literal["uint16", "uint32"] = Field("uint16", description="tokens: the dtype of the .bin files.")
-    vocab_size: int | None = Field(None, gt=0, description="tokens: the vocabulary size (required).")
+    dtype: Literal["uint16", "uint32"] | None = Field(
+        None, description="tokens: the dtype of the .bin files; default: from meta.json, else uint16."
+    )
+    vocab_size: int | None = Field(
+        None,
+        gt=0,
+        description="tokens: the vocabulary size; default: from the directory's meta.json (written by "
+        "`muloco data prepare`), else required.",
+    )
     val_fraction: float = Field(
         0.05, gt=0, lt=1, description="builtin/text: the fraction of files (by hash of the path) held out."
     )

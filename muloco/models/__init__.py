@@ -1,6 +1,26 @@
-"""Models: `gpt.py` (the built-in GPT and its size presets) and `roles.py` (which parameters go to Muon)."""
+"""Models: what a run trains and which parameters go to Muon.
 
-from muloco.models.gpt import GPT, GPTConfig, build_model
-from muloco.models.roles import ParamRole, infer_param_roles, param_roles
+- `gpt.py`: the built-in GPT and its size presets.
+- `factory.py`: `model.factory`, the user's own model; `hf.py`: `model.hf`, Hugging Face causal LMs from a
+  config; `lm.py`: `CausalLM`, the wrapper that gives both the GPT's contract and checks them.
+- `build.py`: `build_model(model_cfg, vocab_size)`, the one entry point.
+- `roles.py`: parameter roles (embedding, head, norm, bias, matrix) and transposed weights, for routing.
+"""
 
-__all__ = ["GPT", "GPTConfig", "ParamRole", "build_model", "infer_param_roles", "param_roles"]
+from muloco.models.build import build_model, describe_model
+from muloco.models.gpt import GPT, GPTConfig, build_gpt
+from muloco.models.lm import CausalLM
+from muloco.models.roles import ParamRole, infer_param_roles, param_roles, transposed_weights
+
+__all__ = [
+    "GPT",
+    "CausalLM",
+    "GPTConfig",
+    "ParamRole",
+    "build_gpt",
+    "build_model",
+    "describe_model",
+    "infer_param_roles",
+    "param_roles",
+    "transposed_weights",
+]

@@ -126,7 +126,7 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
 
-def build_model(model_cfg, vocab_size: int) -> GPT:
+def build_gpt(model_cfg, vocab_size: int) -> GPT:
     """A GPT from the `model:` config section (presets already resolved by the schema)."""
     return GPT(
         GPTConfig(

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 # Muon's own bucketing, so an owner's stacks are Muon's stacks restricted to its matrices.
-from muloco.optim.muon import AdjustLR, Muon, _buckets, adjusted_lr, matrix_shape, muon_update
+from muloco.optim.muon import AdjustLR, Muon, _buckets, adjusted_lr, matrix_shape, muon_update, oriented
 from muloco.optim.newton_schulz import (
     GRAM_BLOCK,
     Coefficients,
@@ -160,7 +160,7 @@ class DistributedMuon(Muon):
                 "DistributedMuon needs all its parameters on one device (the collectives' device)"
             )
         costs = [
-            ns_flops(p.shape, group["ns_steps"], self.ns_method)
+            ns_flops(oriented(p, group.get("transposed", False)).shape, group["ns_steps"], self.ns_method)
             for group in self.param_groups
             for p in group["params"]
         ]
@@ -204,9 +204,10 @@ class DistributedMuon(Muon):
         device = params[0].device
         # An autocast context around step() must not change the iteration's dtype.
         with torch.autocast(device.type, enabled=False), torch.profiler.record_function("muloco::dmuon_ns"):
+            transposed = group.get("transposed", False)
             return muon_update(
-                [p.grad for p in params],
-                buffers,
+                [oriented(p.grad, transposed) for p in params],
+                [oriented(b, transposed) for b in buffers],
                 momentum=group["momentum"],
                 nesterov=group["nesterov"],
                 coefficients=coefficients,
@@ -269,7 +270,8 @@ class DistributedMuon(Muon):
                 if group["weight_decay"] != 0:
                     torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
                 for p in params:
-                    p.add_(updates[p].view(p.shape), alpha=-adjusted_lr(lr, p.shape, group["adjust_lr"]))
+                    w = oriented(p, group.get("transposed", False))  # (out, in), a view of p
+                    w.add_(updates[p].view(w.shape), alpha=-adjusted_lr(lr, w.shape, group["adjust_lr"]))
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held on this rank (the owned momentum buffers)."""

@@ -26,7 +26,7 @@ from torch import nn
 
 from muloco.config import InnerConfig
 from muloco.errors import ConfigError
-from muloco.models.roles import param_roles
+from muloco.models.roles import param_roles, transposed_weights
 from muloco.optim.distributed_muon import DistributedMuon
 from muloco.optim.muon import Muon
 from muloco.optim.newton_schulz import KELLER, resolve_coefficients
@@ -147,7 +147,12 @@ def _torch_muon(params: list[nn.Parameter], names: list[str], inner: InnerConfig
     return opt
 
 
-def _muon(params: list[nn.Parameter], inner: InnerConfig, process_group: ProcessGroup | None) -> Muon:
+def _muon(
+    params: list[nn.Parameter],
+    inner: InnerConfig,
+    process_group: ProcessGroup | None,
+    transposed: list[nn.Parameter] = (),
+) -> Muon:
     hyperparameters: dict[str, Any] = dict(
         lr=inner.lr,
         weight_decay=inner.weight_decay,
@@ -158,11 +163,16 @@ def _muon(params: list[nn.Parameter], inner: InnerConfig, process_group: Process
         adjust_lr=inner.adjust_lr,
         ns_dtype=_NS_DTYPES[inner.ns_dtype],
     )
+    # Weights stored as (in, out) get their own group: Muon steps them in their (out, in) orientation.
+    upright = [p for p in params if not any(p is t for t in transposed)]
+    groups = [{"params": upright}] if upright else []
+    groups += [{"params": list(transposed), "transposed": True}] if transposed else []
     if process_group is not None and dist.get_world_size(process_group) > 1:
-        muon: Muon = DistributedMuon(params, **hyperparameters, process_group=process_group)
+        muon: Muon = DistributedMuon(groups, **hyperparameters, process_group=process_group)
     else:
-        muon = Muon(params, **hyperparameters)
-    muon.param_groups[0]["name"] = "muon"
+        muon = Muon(groups, **hyperparameters)
+    for group in muon.param_groups:
+        group["name"] = "muon"
     return muon
 
 
@@ -200,10 +210,17 @@ def build_inner_optimizer(
     optimizers: list[torch.optim.Optimizer] = []
     if muon_named:
         names, params = [n for n, _ in muon_named], [p for _, p in muon_named]
+        transposed_names = transposed_weights(model)
+        transposed = [p for n, p in muon_named if n in transposed_names]
         if kind == "torch_muon":
+            if transposed:
+                raise ConfigError(
+                    f"inner.optimizer=torch_muon steps weights as stored, and {len(transposed)} are stored "
+                    "transposed (in, out), e.g. GPT-2's Conv1D; use inner.optimizer=muon"
+                )
             optimizers.append(_torch_muon(params, names, inner))
         else:
-            optimizers.append(_muon(params, inner, process_group))
+            optimizers.append(_muon(params, inner, process_group, transposed))
     if adamw_named:
         optimizers.append(_adamw([p for _, p in adamw_named], inner))
     if not optimizers:

@@ -46,6 +46,12 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:])
 
 
+def oriented(t: Tensor, transposed: bool) -> Tensor:
+    """A weight, its gradient or momentum as Muon sees it, (out, in): a view of the transpose for weights
+    stored as (in, out) (param group key `transposed`, e.g. GPT-2's Conv1D), else `t` itself."""
+    return t.mT if transposed else t
+
+
 def adjusted_lr(lr: float, shape: Sequence[int], mode: AdjustLR = "spectral") -> float:
     """The per-matrix step size for a weight of `shape` (fan_out = rows, fan_in = cols).
 
@@ -172,6 +178,7 @@ class Muon(torch.optim.Optimizer):
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
             adjust_lr=adjust_lr,
+            transposed=False,
         )
         self.ns_dtype = ns_dtype
         self.ns_method: Method = ns_method
@@ -185,6 +192,8 @@ class Muon(torch.optim.Optimizer):
                     f"Muon needs 2-D or larger parameters, got one of shape {tuple(p.shape)}; "
                     "put vectors and scalars on AdamW (muloco.optim.muon_param_groups routes them)"
                 )
+            if self.param_groups[-1]["transposed"] and p.ndim != 2:
+                raise ValueError(f"Muon's transposed groups take 2-D weights (in, out), got {tuple(p.shape)}")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -210,9 +219,10 @@ class Muon(torch.optim.Optimizer):
         dtype = self.ns_dtype or default_ns_dtype(device)
         # An autocast context around step() must not change the iteration's dtype.
         with torch.autocast(device.type, enabled=False), torch.profiler.record_function("muloco::muon_ns"):
+            transposed = group.get("transposed", False)  # absent in optimizer states saved before it
             update = muon_update(
-                [p.grad for p in params],
-                buffers,
+                [oriented(p.grad, transposed) for p in params],
+                [oriented(b, transposed) for b in buffers],
                 momentum=group["momentum"],
                 nesterov=group["nesterov"],
                 coefficients=coefficients,
@@ -223,6 +233,7 @@ class Muon(torch.optim.Optimizer):
         lr = group["lr"]
         if group["weight_decay"] != 0:
             torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        step_size = adjusted_lr(lr, params[0].shape, group["adjust_lr"])
+        shape = oriented(params[0], transposed).shape  # (out, in)
+        step_size = adjusted_lr(lr, shape, group["adjust_lr"])
         for p, u in zip(params, update, strict=True):
-            p.add_(u.view(p.shape), alpha=-step_size)
+            oriented(p, transposed).add_(u.view(shape), alpha=-step_size)

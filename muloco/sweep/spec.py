@@ -38,12 +38,16 @@ class SweepSpec:
     baselines: bool = False
 
 
+# Config values that are mappings themselves (a Hugging Face config, a factory's kwargs): one value each.
+MAPPING_VALUES = ("model.hf", "model.kwargs")
+
+
 def _flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"train": {"total_tokens": 1}} -> {"train.total_tokens": 1}; dotted keys pass through."""
     flat: dict[str, Any] = {}
     for key, value in mapping.items():
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
+        if isinstance(value, dict) and dotted not in MAPPING_VALUES:
             flat.update(_flatten(value, f"{dotted}."))
         else:
             flat[dotted] = value

@@ -18,8 +18,10 @@ from muloco.launch import free_port
 from muloco.optim import DistributedMuon, Muon, assign_owners
 from muloco.optim.distributed_muon import balance, ns_flops
 
-# Varied shapes: same-shape stacks (square, tall, wide), a conv weight (8, 36), a 2:1 one, a lone small one.
+# Varied shapes: same-shape stacks (square, tall, wide), a conv weight (8, 36), a 2:1 one, a lone small one,
+# and two weights stored (in, out) as GPT-2's Conv1D (a `transposed` group).
 SHAPES = [(64, 64)] * 3 + [(128, 32)] * 2 + [(32, 128)] * 2 + [(96, 48), (8, 4, 3, 3), (16, 16)]
+SHAPES += [(24, 40)] * 2
 STEPS, SAVE_AT = 10, 5
 D512_L6 = [(512, 512)] * 4 * 6 + [(2048, 512), (512, 2048)] * 6  # q, k, v, o and the MLP of 6 blocks
 PROCESS_TIMEOUT_S = 90  # the whole R-process run; the gloo timeout inside is 30 s
@@ -34,11 +36,19 @@ def make_params(shapes=SHAPES):
 
 
 def param_groups(params):
-    """Two groups with different hyperparameters, so the per-group code paths are exercised."""
-    cut = 2 * len(params) // 3
+    """Groups with different hyperparameters, so the per-group code paths are exercised; with the full
+    SHAPES the last two weights are a transposed group."""
+    if len(params) != len(SHAPES):
+        cut = 2 * len(params) // 3
+        return [
+            {"params": params[:cut]},
+            {"params": params[cut:], "lr": 0.01, "nesterov": False, "weight_decay": 0.0},
+        ]
+    cut = 2 * (len(params) - 2) // 3
     return [
         {"params": params[:cut]},
-        {"params": params[cut:], "lr": 0.01, "nesterov": False, "weight_decay": 0.0},
+        {"params": params[cut:-2], "lr": 0.01, "nesterov": False, "weight_decay": 0.0},
+        {"params": params[-2:], "transposed": True},
     ]
 
 

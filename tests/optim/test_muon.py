@@ -158,3 +158,32 @@ def test_bad_arguments_are_rejected(kwargs, match):
 def test_vectors_are_rejected():
     with pytest.raises(ValueError, match="2-D"):
         Muon([torch.nn.Parameter(torch.zeros(4))])
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])  # (out, in): wide and tall
+def test_a_transposed_group_steps_the_weight_in_its_out_in_orientation(shape):
+    """A weight stored (in, out) with `transposed` steps exactly as the (out, in) weight, transposed."""
+    torch.manual_seed(0)
+    upright = torch.nn.Parameter(torch.randn(shape))  # (out, in), as nn.Linear
+    stored = torch.nn.Parameter(upright.detach().mT.clone())  # (in, out), as GPT-2's Conv1D
+    a = Muon([upright], lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
+    b = Muon([{"params": [stored], "transposed": True}], lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
+    for _ in range(5):
+        grad = torch.randn(shape)
+        upright.grad, stored.grad = grad.clone(), grad.mT.clone()
+        a.step()
+        b.step()
+        torch.testing.assert_close(stored.detach().mT, upright.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(b.state[stored]["momentum_buffer"].mT, a.state[upright]["momentum_buffer"])
+
+
+def test_the_transposed_lr_scale_is_the_out_in_one():
+    # spectral: lr sqrt(out / in); stepping the stored (in, out) shape would give the inverse.
+    stored = torch.nn.Parameter(torch.zeros(16, 64))  # in=16, out=64
+    opt = Muon([{"params": [stored], "transposed": True}], lr=1.0, ns_dtype=torch.float32)
+    stored.grad = torch.randn(16, 64)
+    opt.step()
+    # An orthogonalized (64, 16) update has singular values ~1 (Keller's NS: 0.7-1.2): its spectral norm,
+    # times sqrt(64 / 16) = 2, is the step's.
+    step_norm = torch.linalg.matrix_norm(stored.detach(), ord=2).item()
+    assert 2 * 0.6 < step_norm < 2 * 1.3, step_norm

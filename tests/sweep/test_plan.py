@@ -44,6 +44,18 @@ def test_values_mean_what_they_mean_in_a_config_file(write_sweep):
     assert load_config(QUICKSTART, run.overrides).to_dict() == run.config.to_dict()  # what `train` gets
 
 
+def test_mapping_values_model_hf_and_kwargs_pass_as_one_override(write_sweep):
+    hf = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}
+    spec = load_sweep(write_sweep({"fixed": {"model.hf": hf}, "grid": {"workers": [1, 2]}}))
+    runs = plan_sweep(spec, threads=1)
+    assert all(run.config.model.hf == hf for run in runs)
+    assert any(o.startswith("model.hf={") for o in runs[0].overrides)
+    assert load_config(QUICKSTART, runs[0].overrides).to_dict() == runs[0].config.to_dict()
+    grid = {"model.kwargs": [{"width": 8}, {"width": 16}]}
+    spec = load_sweep(write_sweep({"fixed": {"model.factory": "m:f"}, "grid": grid}))
+    assert [run.config.model.kwargs for run in plan_sweep(spec, threads=1)] == grid["model.kwargs"]
+
+
 def test_every_run_is_validated_before_anything_runs(tmp_path, write_sweep):
     spec = load_sweep(write_sweep({"grid": {"workers": [4, 3]}}))
     with pytest.raises(ConfigError, match="run workers=3: .*train.batch_tokens"):

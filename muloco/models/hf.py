@@ -1,0 +1,100 @@
+"""`model.hf`: a Hugging Face causal LM built from a config, random init, never downloaded.
+
+`model.hf` is a local config.json (or a directory holding one), or a mapping of config values with a
+`model_type` (and optionally `config: PATH` to start from): `AutoConfig.for_model(model_type, **values)`
+then `AutoModelForCausalLM.from_config`. Unknown keys are errors (transformers would silently keep them).
+The vocabulary and the context length default to the data's and model.seq_len; bos/eos/pad ids that fall
+outside a smaller vocabulary are cleared. transformers is an optional extra: `pip install -e ".[hf]"`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from muloco.errors import ConfigError
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions")  # Llama-style and GPT-2-style names
+SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a config, never a download
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError('model.hf needs Hugging Face transformers: pip install -e ".[hf]"') from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _read_config_json(path: str, field: str) -> dict[str, Any]:
+    file = Path(path).expanduser()
+    if file.is_dir():
+        file = file / "config.json"
+    try:
+        values = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{field}: cannot read {file} ({exc.strerror}); name a local config.json") from None
+    except ValueError as exc:
+        raise ConfigError(f"{field}: {file} is not valid JSON ({exc}); fix the file") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{field}: {file} holds a {type(values).__name__}, not a JSON object")
+    return values
+
+
+def hf_config_values(spec: str | dict[str, Any]) -> dict[str, Any]:
+    """The config values `model.hf` names: a file's, then the mapping's overrides on top."""
+    if isinstance(spec, str):
+        return _read_config_json(spec, "model.hf")
+    overrides = dict(spec)
+    path = overrides.pop("config", None)
+    base = _read_config_json(str(path), "model.hf.config") if path is not None else {}
+    return {**base, **overrides}
+
+
+def _check_keys(config_class, values: dict[str, Any], model_type: str) -> None:
+    defaults = config_class()
+    known = set(defaults.to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    for key in values:
+        if key not in known and not hasattr(defaults, key):
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"model.hf.{key}: not a setting of {model_type} configs{hint}")
+
+
+def build_hf_model(spec: str | dict[str, Any], vocab_size: int, seq_len: int) -> nn.Module:
+    transformers = _transformers()
+    values = hf_config_values(spec)
+    model_type = values.pop("model_type", None)
+    if not model_type:
+        raise ConfigError("model.hf: name a model_type (e.g. llama, gpt2) or a config.json that has one")
+    mapping = transformers.CONFIG_MAPPING
+    if model_type not in mapping:
+        close = difflib.get_close_matches(str(model_type), list(mapping.keys()), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(f"model.hf.model_type: {model_type!r} is not a model type transformers knows{hint}")
+    values.pop("architectures", None)  # a saved config's record, not a setting
+    values.pop("transformers_version", None)
+    _check_keys(mapping[model_type], values, model_type)
+    config = transformers.AutoConfig.for_model(model_type, **values)
+    if "vocab_size" not in values:
+        config.vocab_size = vocab_size
+    for key in CONTEXT_KEYS:
+        if hasattr(config, key) and key not in values:
+            setattr(config, key, seq_len)
+    for key in SPECIAL_TOKEN_KEYS:  # e.g. GPT-2's 50256 in a 256-token vocabulary
+        token = getattr(config, key, None)
+        if key not in values and isinstance(token, int) and token >= config.vocab_size:
+            setattr(config, key, None)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as exc:
+        raise ConfigError(f"model.hf: {model_type} has no causal LM in transformers ({exc})") from None
+    return model
