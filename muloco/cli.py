@@ -6,6 +6,8 @@
     muloco sweep SWEEP.yaml [--jobs J]      a grid of runs, resumable; writes summary.csv, report.md, plots
     muloco report DIR                       tables and plots from finished run directories
     muloco plan --params 150M ...           projected time per outer step on a WAN link (DDP vs DiLoCo ...)
+    muloco data prepare INPUT... --out DIR  token files (byte or BPE) for data.source: tokens
+    muloco sample RUN_DIR [--prompt TEXT]   text from the newest checkpoint of a run
 
 Bad input exits with code 2 and one line naming the field or file and the fix; never a traceback.
 """
@@ -65,6 +67,28 @@ def _parser() -> argparse.ArgumentParser:
         "--tflops", type=float, default=100.0, help="sustained TFLOP/s, to estimate the step time"
     )
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    data = sub.add_parser("data", help="prepare token files for data.source: tokens")
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
+    prepare = data_sub.add_parser(
+        "prepare", help="tokenize text, JSONL or Parquet files into train.bin, val.bin and meta.json"
+    )
+    prepare.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs")
+    prepare.add_argument("--out", required=True, help="output directory (created; must be new or empty)")
+    prepare.add_argument(
+        "--tokenizer", default="byte", help="byte | bpe:VOCAB (trained on the inputs) | PATH/tokenizer.json"
+    )
+    prepare.add_argument("--field", default="text", help="JSONL: the field holding the text")
+    prepare.add_argument("--column", default="text", help="Parquet: the column holding the text")
+    prepare.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out")
+    prepare.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    sample = sub.add_parser("sample", help="generate text from the newest checkpoint of a run")
+    sample.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds config.yaml)")
+    sample.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
+    sample.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    sample.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
+    sample.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 = all")
+    sample.add_argument("--seed", type=int, default=0, help="sampling seed")
+    sample.add_argument("--samples", type=int, default=1, help="independent samples to print")
     report = sub.add_parser("report", help="summary.csv, report.md and plots from the run dirs under DIR")
     report.add_argument("directory", metavar="DIR", help="a sweep directory, or any directory of run dirs")
     return parser
@@ -97,6 +121,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary["wall_time_s"],
         trainer.run_dir,
     )
+    if summary["status"] == "completed" and trainer.is_main:
+        logging.getLogger("muloco").info("sample from it: muloco sample %s --prompt 'def '", trainer.run_dir)
     if summary["status"] == "interrupted":
         return EXIT_INTERRUPTED.get(trainer.stop.signal, 130)
     return 0
@@ -122,6 +148,47 @@ def cmd_report(args: argparse.Namespace) -> int:
     outputs = build_report(args.directory)
     for path in outputs.values():
         print(path)
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from muloco.data.prepare import prepare
+
+    meta = prepare(
+        args.inputs,
+        args.out,
+        args.tokenizer,
+        text_field=args.field,
+        column=args.column,
+        val_fraction=args.val_fraction,
+        force=args.force,
+    )
+    counts = meta["counts"]
+    logging.getLogger("muloco").info(
+        "prepared out=%s tokenizer=%s vocab_size=%d documents=%d train_tokens=%d val_tokens=%d",
+        args.out,
+        meta["tokenizer"],
+        meta["vocab_size"],
+        counts["documents"],
+        counts["train_tokens"],
+        counts["val_tokens"],
+    )
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from muloco.sample import sample_run
+
+    for text in sample_run(
+        args.run_dir,
+        prompt=args.prompt,
+        tokens=args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        samples=args.samples,
+    ):
+        print(text)
     return 0
 
 
@@ -191,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         "sweep": cmd_sweep,
         "report": cmd_report,
         "plan": cmd_plan,
+        "data": cmd_data,
+        "sample": cmd_sample,
     }
     try:
         return commands[args.command](args)

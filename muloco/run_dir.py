@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -44,3 +45,20 @@ def write_resolved_config(cfg: Config, run_dir: Path) -> None:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(cfg.to_yaml())
     os.replace(tmp, run_dir / "config.yaml")
+
+
+TOKENIZER_RECORD = "tokenizer_info.json"  # how the run's token ids decode: `muloco sample` reads it
+TOKENIZER_FILE = "tokenizer.json"  # a copy of the data's BPE tokenizer, when it has one
+
+
+def write_tokenizer_record(run_dir: Path, data) -> None:
+    """The tokenizer travels with the run: `tokenizer_info.json` (vocab size, kind) and, for BPE data, a
+    copy of its tokenizer.json, so samples and evals decode without the data directory."""
+    kind = "byte"
+    if data.tokenizer_file is not None:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=run_dir)
+        os.close(fd)
+        shutil.copyfile(data.tokenizer_file, tmp)
+        os.replace(tmp, run_dir / TOKENIZER_FILE)
+        kind = TOKENIZER_FILE
+    write_json_atomic(run_dir / TOKENIZER_RECORD, {"vocab_size": data.vocab_size, "tokenizer": kind})

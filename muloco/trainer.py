@@ -37,9 +37,9 @@ from muloco.data import ReplicaStream, load_data, val_batches
 from muloco.dp import DataParallel
 from muloco.lr_schedule import lr_multiplier
 from muloco.metrics import MetricsLogger, start_wandb
-from muloco.models import build_model
+from muloco.models import build_model, describe_model
 from muloco.resume import check_same_config, find_resume_checkpoint
-from muloco.run_dir import prepare_run_dir, write_json_atomic, write_resolved_config
+from muloco.run_dir import prepare_run_dir, write_json_atomic, write_resolved_config, write_tokenizer_record
 from muloco.run_state import CommLedger, Progress, RngState, StateList, WanProjection
 from muloco.signals import EXIT_INTERRUPTED, StopRequest
 from muloco.summary import build_summary
@@ -138,6 +138,7 @@ class Trainer:
             self.engine.join(self.replicas, resumed=self.resumed_from is not None)
         if self.is_main:
             write_resolved_config(cfg, self.run_dir)
+            write_tokenizer_record(self.run_dir, self.data)
 
     # -- set-up helpers -------------------------------------------------------------------------------
     def _resume(self) -> None:
@@ -346,6 +347,7 @@ class Trainer:
             "workers": cfg.workers,
             "local_replicas": len(self.local_indices),
             "device": self.device,
+            "model": describe_model(cfg.model),
             "params": self.num_params,
             "data": self.data.description,
             "steps": self.total_steps,

@@ -42,10 +42,12 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
 
 
-def run_muloco(*args, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_muloco(
+    *args, timeout: float = 120, env: dict[str, str] | None = None, cwd=None
+) -> subprocess.CompletedProcess:
     """`python -m muloco ARGS` to completion, output captured."""
     cmd = [sys.executable, "-m", "muloco", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(env))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(env), cwd=cwd)
 
 
 def start_muloco(*args, env: dict[str, str] | None = None) -> subprocess.Popen:

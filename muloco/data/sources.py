@@ -2,7 +2,8 @@
 
 - builtin: the cached stdlib corpus of builtin.py, read-only uint8 memmaps, vocab 256.
 - tokens: nanoGPT-style flat memmaps `train.bin` / `val.bin` in the directory `data.path`, dtype
-  `data.dtype`, vocab `data.vocab_size`.
+  `data.dtype`, vocab `data.vocab_size`; both default to the directory's `meta.json` (`muloco data
+  prepare`), which may also name the tokenizer.json that made the ids.
 - text: UTF-8 files (a file, directory, glob, or a list of them), byte-level, vocab 256, read into memory;
   split by file hash like builtin, or by bytes when the files do not fall on both sides.
 
@@ -12,6 +13,7 @@ Every problem with the user's data is a `DataError`: one line naming the field o
 from __future__ import annotations
 
 import glob
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from muloco.config import DataConfig
 from muloco.data import builtin
 from muloco.errors import DataError
 
+META_FILE = "meta.json"  # written by `muloco data prepare` (prepare.py)
 VOCAB_CHECK_TOKENS = 1 << 24  # token ids checked against data.vocab_size: the first 16M of each split
 
 
@@ -33,6 +36,8 @@ class TokenData:
     val: np.ndarray
     vocab_size: int
     description: str  # one line for logs
+    # The tokenizer.json that made the ids (data prepare's BPE); None: byte-level ids (bytes 0-255).
+    tokenizer_file: Path | None = None
 
 
 def load_data(cfg: DataConfig, seq_len: int) -> TokenData:
@@ -90,8 +95,8 @@ def load_builtin(cfg: DataConfig) -> TokenData:
 # --- tokens -----------------------------------------------------------------------------------------
 
 
-def _open_token_file(path: Path, dtype: np.dtype, vocab_size: int, cfg: DataConfig) -> np.memmap:
-    fix = "write it with nanoGPT-style prepare scripts (flat token ids)"
+def _open_token_file(path: Path, dtype: np.dtype, vocab_size: int) -> np.memmap:
+    fix = "write it with `muloco data prepare` or a nanoGPT-style prepare script (flat token ids)"
     if not path.is_file():
         raise DataError(f"data.path: {path} is missing; {fix}")
     size = path.stat().st_size
@@ -100,7 +105,7 @@ def _open_token_file(path: Path, dtype: np.dtype, vocab_size: int, cfg: DataConf
     if size % dtype.itemsize:
         raise DataError(
             f"data.path: {path} has {size} bytes, not a multiple of {dtype.itemsize} "
-            f"(data.dtype={cfg.dtype}); check data.dtype or regenerate the file"
+            f"(dtype {dtype.name}); check data.dtype or regenerate the file"
         )
     try:
         tokens = np.memmap(path, dtype=dtype, mode="r")
@@ -109,17 +114,42 @@ def _open_token_file(path: Path, dtype: np.dtype, vocab_size: int, cfg: DataConf
     top = int(tokens[:VOCAB_CHECK_TOKENS].max())  # one cheap pass; a full scan of a large file is not
     if top >= vocab_size:
         raise DataError(
-            f"data.path: {path} holds token id {top} >= data.vocab_size={vocab_size}; "
+            f"data.path: {path} holds token id {top} >= the vocabulary size {vocab_size}; "
             f"set data.vocab_size to at least {top + 1} (or check data.dtype)"
         )
     return tokens
 
 
-def load_tokens(cfg: DataConfig) -> TokenData:
-    if cfg.vocab_size is None:
+def read_token_meta(directory: Path) -> dict | None:
+    """`meta.json` of a directory written by `muloco data prepare` (prepare.py), or None without one."""
+    path = directory / META_FILE
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        vocab, dtype = int(meta["vocab_size"]), str(meta["dtype"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DataError(
-            "data.vocab_size is required for data.source: tokens; set it to the tokenizer's vocabulary size"
+            f"data.path: {path} is not a valid meta.json ({type(exc).__name__}: {exc}); "
+            "rerun `muloco data prepare` or delete it and set data.vocab_size"
+        ) from None
+    if dtype not in ("uint16", "uint32") or vocab < 1:
+        raise DataError(
+            f"data.path: {path} names dtype {dtype!r} and vocab {vocab}; rerun `muloco data prepare`"
         )
+    return meta
+
+
+def _agree(cfg_value, meta_value, field: str, meta_path: Path):
+    """The config's value when set (it must match meta.json's), else meta.json's."""
+    if cfg_value is not None and meta_value is not None and cfg_value != meta_value:
+        raise DataError(
+            f"data.{field}={cfg_value} but {meta_path} says {meta_value}; remove data.{field} from the config"
+        )
+    return cfg_value if cfg_value is not None else meta_value
+
+
+def load_tokens(cfg: DataConfig) -> TokenData:
     paths = [cfg.path] if isinstance(cfg.path, str) else list(cfg.path or [])
     if len(paths) != 1:
         raise DataError(
@@ -132,14 +162,29 @@ def load_tokens(cfg: DataConfig) -> TokenData:
         raise DataError(
             f"data.path: {directory} {what}; point it at a directory holding train.bin and val.bin"
         )
-    dtype = np.dtype(cfg.dtype)
-    train = _open_token_file(directory / "train.bin", dtype, cfg.vocab_size, cfg)
-    val = _open_token_file(directory / "val.bin", dtype, cfg.vocab_size, cfg)
+    meta = read_token_meta(directory) or {}
+    meta_path = directory / META_FILE
+    vocab_size = _agree(cfg.vocab_size, meta.get("vocab_size"), "vocab_size", meta_path)
+    dtype_name = _agree(cfg.dtype, meta.get("dtype"), "dtype", meta_path) or "uint16"
+    if vocab_size is None:
+        raise DataError(
+            f"data.vocab_size is required for data.source: tokens without {meta_path}; set it to the "
+            "tokenizer's vocabulary size (or prepare the data with `muloco data prepare`)"
+        )
+    dtype = np.dtype(dtype_name)
+    train = _open_token_file(directory / "train.bin", dtype, vocab_size)
+    val = _open_token_file(directory / "val.bin", dtype, vocab_size)
+    tokenizer = meta.get("tokenizer")
+    tokenizer_file = directory / tokenizer if tokenizer and tokenizer != "byte" else None
+    if tokenizer_file is not None and not tokenizer_file.is_file():
+        raise DataError(
+            f"data.path: {meta_path} names {tokenizer_file}, which is missing; rerun data prepare"
+        )
     description = (
-        f"tokens {directory} ({cfg.dtype}, vocab {cfg.vocab_size}, train={_mtok(len(train))} "
+        f"tokens {directory} ({dtype_name}, vocab {vocab_size}, train={_mtok(len(train))} "
         f"val={_mtok(len(val))} tokens)"
     )
-    return TokenData(train, val, cfg.vocab_size, description)
+    return TokenData(train, val, vocab_size, description, tokenizer_file=tokenizer_file)
 
 
 # --- text -------------------------------------------------------------------------------------------
@@ -169,7 +214,7 @@ def _glob_base(pattern: str) -> Path:
     return Path(*static) if static else Path(".")
 
 
-def expand_text_paths(path: str | list[str]) -> list[tuple[str, Path]]:
+def expand_text_paths(path: str | list[str], field: str = "data.path") -> list[tuple[str, Path]]:
     """(split key, file) for every file named by data.path, in order, without duplicates.
 
     The split key is the path relative to the directory (or glob prefix) the user named, or the file name for
@@ -177,7 +222,7 @@ def expand_text_paths(path: str | list[str]) -> list[tuple[str, Path]]:
     """
     entries = [path] if isinstance(path, str) else list(path)
     if not entries:
-        raise DataError("data.path is an empty list; name text files, directories or globs")
+        raise DataError(f"{field} is an empty list; name text files, directories or globs")
     out: list[tuple[str, Path]] = []
     seen: set[Path] = set()
     for entry in entries:
@@ -199,7 +244,7 @@ def expand_text_paths(path: str | list[str]) -> list[tuple[str, Path]]:
             found = []
         if not found:
             raise DataError(
-                f"data.path: {entry!r} matches no files; check the path (a file, directory or glob)"
+                f"{field}: {entry!r} matches no files; check the path (a file, directory or glob)"
             )
         for key, file in found:
             resolved = file.resolve()
