@@ -22,3 +22,8 @@ class CheckpointError(UserError):
 
 class TrainingError(Exception):
     """The run itself failed (e.g. diverged to non-finite values): one line, exit code 1, status failed."""
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: message` on one line, for quoting an exception from someone else's code in a UserError."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"

@@ -16,7 +16,7 @@ from typing import Any
 
 from muloco.checkpoint import checkpoint_step, find_resume_state, list_checkpoints, load_checkpoint
 from muloco.comm import Backend
-from muloco.errors import CheckpointError, UserError
+from muloco.errors import CheckpointError, UserError, one_line
 
 log = logging.getLogger("muloco")
 
@@ -96,3 +96,17 @@ def _agree_on_step(backend: Backend, found: Found) -> None:
             f"ranks found checkpoints of different steps to resume from ({steps}); give every rank the same "
             "checkpoint.resume step, or set checkpoint.resume=never"
         )
+
+
+def load_components(components: dict[str, Any], state: dict[str, Any], path: Path) -> None:
+    """Every component's state from the checkpoint; a state that does not fit (a model whose code or
+    vocabulary changed while the config did not, e.g. model.factory or a model.hf config.json edited) is
+    a CheckpointError, not a traceback."""
+    try:
+        for name, component in components.items():
+            component.load_state_dict(state[name])
+    except (RuntimeError, KeyError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this run ({one_line(exc)}); did the model's code or the data "
+            "change? Set checkpoint.resume=never or use another run.name"
+        ) from None

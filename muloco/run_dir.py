@@ -52,9 +52,10 @@ TOKENIZER_FILE = "tokenizer.json"  # a copy of the data's BPE tokenizer, when it
 
 
 def write_tokenizer_record(run_dir: Path, data) -> None:
-    """The tokenizer travels with the run: `tokenizer_info.json` (vocab size, kind) and, for BPE data, a
-    copy of its tokenizer.json, so samples and evals decode without the data directory."""
-    kind = "byte"
+    """The tokenizer travels with the run: `tokenizer_info.json` (vocab size; `byte`, `tokenizer.json` or
+    `unknown` for token files without meta.json) and, for BPE data, a copy of its tokenizer.json, so
+    samples decode without the data directory."""
+    kind = data.tokenizer
     if data.tokenizer_file is not None:
         fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=run_dir)
         os.close(fd)

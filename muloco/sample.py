@@ -10,6 +10,7 @@ arguments give the same text.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from muloco.checkpoint import find_resume_state
 from muloco.config import load_config
 from muloco.data.tokenizer import ByteTokenizer, load_run_tokenizer
-from muloco.errors import CheckpointError, UserError
+from muloco.errors import CheckpointError, UserError, one_line
 from muloco.models import build_model
 from muloco.run_dir import TOKENIZER_RECORD
 
@@ -26,7 +27,12 @@ from muloco.run_dir import TOKENIZER_RECORD
 def _tokenizer_info(run_dir: Path, cfg) -> dict:
     path = run_dir / TOKENIZER_RECORD
     if path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
+        try:
+            info = json.loads(path.read_text(encoding="utf-8"))
+            int(info["vocab_size"])
+            return info
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"RUN_DIR: {path} is unreadable ({one_line(exc)}); rerun or restore it") from None
     if cfg.data.source in ("builtin", "text"):  # runs from before the record existed: bytes
         return {"vocab_size": cfg.data.vocab_size or ByteTokenizer.vocab_size, "tokenizer": "byte"}
     raise UserError(f"RUN_DIR: {run_dir} has no {TOKENIZER_RECORD}; run it again with this muloco to sample")
@@ -47,16 +53,22 @@ def load_trained_model(run_dir: Path) -> tuple[nn.Module, object, int]:
         )
     path, state = found
     model = build_model(cfg.model, int(info["vocab_size"]))
-    if "engine" in state:
-        outer = state["engine"]["outer"]
-        named = dict(model.named_parameters())
-        if sorted(outer["names"]) != sorted(named):
-            raise CheckpointError(f"checkpoint {path} holds other parameters than the run's config builds")
-        with torch.no_grad():
-            for name, value in zip(outer["names"], outer["params"], strict=True):
-                named[name].copy_(value)
-    else:
-        model.load_state_dict(state["replicas"][0]["model"])
+    try:
+        if "engine" in state:
+            outer = state["engine"]["outer"]
+            named = dict(model.named_parameters())
+            if sorted(outer["names"]) != sorted(named):
+                raise ValueError("other parameter names")
+            with torch.no_grad():
+                for name, value in zip(outer["names"], outer["params"], strict=True):
+                    named[name].copy_(value)
+        else:
+            model.load_state_dict(state["replicas"][0]["model"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the model the run's config.yaml builds now ({one_line(exc)}); "
+            "did the model's code or the data's vocabulary change?"
+        ) from None
     return model.eval(), load_run_tokenizer(run_dir, info), int(state["progress"]["steps"])
 
 
@@ -101,7 +113,7 @@ def sample_run(
     samples: int = 1,
 ) -> list[str]:
     """`samples` texts (the prompt and its continuation) from the run in `run_dir`."""
-    if tokens < 1 or samples < 1 or temperature < 0 or top_k < 0:
+    if tokens < 1 or samples < 1 or not math.isfinite(temperature) or temperature < 0 or top_k < 0:
         raise UserError("--tokens and --samples must be >= 1, --temperature and --top-k >= 0")
     directory = Path(run_dir).expanduser()
     model, tokenizer, _ = load_trained_model(directory)

@@ -38,7 +38,7 @@ from muloco.dp import DataParallel
 from muloco.lr_schedule import lr_multiplier
 from muloco.metrics import MetricsLogger, start_wandb
 from muloco.models import build_model, describe_model
-from muloco.resume import check_same_config, find_resume_checkpoint
+from muloco.resume import check_same_config, find_resume_checkpoint, load_components
 from muloco.run_dir import prepare_run_dir, write_json_atomic, write_resolved_config, write_tokenizer_record
 from muloco.run_state import CommLedger, Progress, RngState, StateList, WanProjection
 from muloco.signals import EXIT_INTERRUPTED, StopRequest
@@ -149,8 +149,7 @@ class Trainer:
         if found is None:
             return
         path, state = found
-        for name, component in self.components.items():
-            component.load_state_dict(state[name])
+        load_components(self.components, state, path)
         self.resumed_from, progress = path, self.progress
         log.info("resumed checkpoint=%s step=%d outer_steps=%d", path, progress.steps, progress.outer_steps)
 

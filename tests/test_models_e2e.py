@@ -148,3 +148,28 @@ def test_cli_errors_for_models_and_data_are_one_line_exit_2(tmp_path, command, n
     result = muloco(*args)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def test_a_factory_changed_under_a_checkpoint_is_a_clean_error(tmp_path, tiny):
+    (tmp_path / "my_lm.py").write_text(FACTORY)
+    args = ["train", ROOT / "configs/quickstart.yaml", *tiny, "model.factory=my_lm:build", "run.name=f"]
+    assert muloco(*args, cwd=tmp_path).returncode == 0
+    (tmp_path / "my_lm.py").write_text(FACTORY.replace("width=32", "width=48"))  # same config, other shapes
+    result = muloco(*args, cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert (
+        result.returncode == 2 and "does not fit this run" in lines[-1] and "Traceback" not in result.stderr
+    )
+
+
+def test_sample_refuses_token_files_of_unknown_tokenizer(tmp_path, tiny):
+    import numpy as np
+
+    data = tmp_path / "bare"
+    data.mkdir()
+    for split in ("train", "val"):
+        np.random.default_rng(0).integers(0, 300, 5000, dtype=np.uint16).tofile(data / f"{split}.bin")
+    args = [*tiny, "data.source=tokens", f"data.path={data}", "data.vocab_size=300", "run.name=u"]
+    assert muloco("train", ROOT / "configs/quickstart.yaml", *args).returncode == 0
+    result = muloco("sample", tmp_path / "runs" / "u")
+    assert result.returncode == 2 and "muloco data prepare" in result.stderr, result.stderr

@@ -37,6 +37,7 @@ log = logging.getLogger("muloco.data")
 FORMAT = "muloco-tokens/1"
 ENCODE_BATCH = 256  # documents per encode_batch call: tokenizers parallelizes within a batch
 FIELD = "INPUT"  # how errors name the inputs
+MIN_TOKENS = 16  # below this a train/val split is meaningless
 
 
 @dataclass
@@ -221,6 +222,8 @@ def prepare(
     kind, value = parse_tokenizer_spec(tokenizer_spec)
     files = expand_text_paths(list(inputs), field=FIELD)
     destination = Path(out).expanduser()
+    if destination.exists() and not destination.is_dir():
+        raise UserError(f"--out {destination} is a file; name a directory to create")
     if destination.exists() and any(destination.iterdir()) and not force:
         raise UserError(f"--out {destination} exists and is not empty; choose a new directory or add --force")
 
@@ -235,13 +238,19 @@ def prepare(
         log.warning("data prepare: the tokenizer has no end-of-text token; documents are concatenated as is")
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
 
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp_", dir=destination.parent))
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp_", dir=destination.parent))
+    except OSError as exc:
+        raise UserError(f"--out {destination}: cannot write there ({exc.strerror or exc})") from None
     os.chmod(staging, 0o755)  # mkdtemp's 0700 would follow the directory into place
     try:
         counts = _write_tokens(files, tokenizer, text_field, column, val_fraction, dtype, staging)
         if counts.documents == 0:
             raise DataError(f"{FIELD}: {' '.join(inputs)} holds no text (every document is empty)")
+        if counts.train_tokens + counts.val_tokens < MIN_TOKENS:
+            total = counts.train_tokens + counts.val_tokens
+            raise DataError(f"{FIELD}: {' '.join(inputs)} makes {total} tokens; give at least {MIN_TOKENS}")
         split = "document hash"
         if not (counts.train_tokens and counts.val_tokens):
             _cut_by_tokens(staging, dtype, val_fraction, counts)

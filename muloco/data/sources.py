@@ -36,7 +36,9 @@ class TokenData:
     val: np.ndarray
     vocab_size: int
     description: str  # one line for logs
-    # The tokenizer.json that made the ids (data prepare's BPE); None: byte-level ids (bytes 0-255).
+    # How the ids decode: "byte" (UTF-8 bytes), "tokenizer.json" (tokenizer_file, data prepare's BPE) or
+    # "unknown" (token files without a meta.json).
+    tokenizer: str = "byte"
     tokenizer_file: Path | None = None
 
 
@@ -133,20 +135,22 @@ def read_token_meta(directory: Path) -> dict | None:
             f"data.path: {path} is not a valid meta.json ({type(exc).__name__}: {exc}); "
             "rerun `muloco data prepare` or delete it and set data.vocab_size"
         ) from None
-    if dtype not in ("uint16", "uint32") or vocab < 1:
+    if dtype not in ("uint16", "uint32") or vocab < 1 or meta["vocab_size"] != vocab:
         raise DataError(
             f"data.path: {path} names dtype {dtype!r} and vocab {vocab}; rerun `muloco data prepare`"
         )
     return meta
 
 
-def _agree(cfg_value, meta_value, field: str, meta_path: Path):
-    """The config's value when set (it must match meta.json's), else meta.json's."""
-    if cfg_value is not None and meta_value is not None and cfg_value != meta_value:
-        raise DataError(
-            f"data.{field}={cfg_value} but {meta_path} says {meta_value}; remove data.{field} from the config"
-        )
-    return cfg_value if cfg_value is not None else meta_value
+def _agree(cfg_value, meta_value, field: str, meta_path: Path, at_least: bool = False):
+    """The config's value when set (it must match meta.json's, or with `at_least` not be below it: a
+    padded vocabulary), else meta.json's."""
+    if cfg_value is None or meta_value is None:
+        return cfg_value if cfg_value is not None else meta_value
+    if cfg_value == meta_value or (at_least and cfg_value > meta_value):
+        return cfg_value
+    hint = f"set it >= {meta_value} or remove it" if at_least else "remove it from the config"
+    raise DataError(f"data.{field}={cfg_value} but {meta_path} says {meta_value}; {hint}")
 
 
 def load_tokens(cfg: DataConfig) -> TokenData:
@@ -164,7 +168,7 @@ def load_tokens(cfg: DataConfig) -> TokenData:
         )
     meta = read_token_meta(directory) or {}
     meta_path = directory / META_FILE
-    vocab_size = _agree(cfg.vocab_size, meta.get("vocab_size"), "vocab_size", meta_path)
+    vocab_size = _agree(cfg.vocab_size, meta.get("vocab_size"), "vocab_size", meta_path, at_least=True)
     dtype_name = _agree(cfg.dtype, meta.get("dtype"), "dtype", meta_path) or "uint16"
     if vocab_size is None:
         raise DataError(
@@ -174,8 +178,8 @@ def load_tokens(cfg: DataConfig) -> TokenData:
     dtype = np.dtype(dtype_name)
     train = _open_token_file(directory / "train.bin", dtype, vocab_size)
     val = _open_token_file(directory / "val.bin", dtype, vocab_size)
-    tokenizer = meta.get("tokenizer")
-    tokenizer_file = directory / tokenizer if tokenizer and tokenizer != "byte" else None
+    tokenizer = str(meta.get("tokenizer", "unknown"))
+    tokenizer_file = directory / tokenizer if tokenizer not in ("byte", "unknown") else None
     if tokenizer_file is not None and not tokenizer_file.is_file():
         raise DataError(
             f"data.path: {meta_path} names {tokenizer_file}, which is missing; rerun data prepare"
@@ -184,7 +188,8 @@ def load_tokens(cfg: DataConfig) -> TokenData:
         f"tokens {directory} ({dtype_name}, vocab {vocab_size}, train={_mtok(len(train))} "
         f"val={_mtok(len(val))} tokens)"
     )
-    return TokenData(train, val, vocab_size, description, tokenizer_file=tokenizer_file)
+    kind = "tokenizer.json" if tokenizer_file is not None else tokenizer
+    return TokenData(train, val, vocab_size, description, tokenizer=kind, tokenizer_file=tokenizer_file)
 
 
 # --- text -------------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ class ByteTokenizer:
         return [list(text.encode("utf-8")) for text in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
+        """Text of the byte ids; end-of-text (0) and ids beyond a byte (a padded vocabulary) are left out."""
+        return bytes(i for i in ids if 0 < i < BYTE_VOCAB).decode("utf-8", errors="replace")
 
 
 class BpeTokenizer:
@@ -116,6 +117,12 @@ def parse_tokenizer_spec(spec: str) -> tuple[str, int | Path | None]:
 
 def load_run_tokenizer(run_dir: Path, info: dict) -> ByteTokenizer | BpeTokenizer:
     """The tokenizer a run's `tokenizer_info.json` names (run_dir.py writes it)."""
-    if info.get("tokenizer", "byte") == "byte":
+    kind = info.get("tokenizer", "byte")
+    if kind == "byte":
         return ByteTokenizer()
-    return load_bpe(run_dir / info["tokenizer"], field=str(run_dir))
+    if kind == "unknown":
+        raise UserError(
+            f"RUN_DIR: {run_dir} was trained on token files without meta.json, so how its ids decode is "
+            "unknown; prepare the data with `muloco data prepare` (it records the tokenizer) to sample"
+        )
+    return load_bpe(run_dir / kind, field=str(run_dir))

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from muloco.errors import ConfigError
+from muloco.errors import ConfigError, one_line
 
 
 def _import(module_name: str):
@@ -28,7 +28,7 @@ def _import(module_name: str):
         return importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or anything the user's module raises at import time
         raise ConfigError(
-            f"model.factory: cannot import {module_name!r} ({type(exc).__name__}: {exc}); it must be "
+            f"model.factory: cannot import {module_name!r} ({one_line(exc)}); it must be "
             "importable from the current directory or PYTHONPATH"
         ) from None
     finally:
@@ -62,7 +62,7 @@ def build_from_factory(spec: str, kwargs: dict[str, Any], vocab_size: int, seq_l
         model = fn(**factory_kwargs(fn, kwargs, vocab_size, seq_len))
     except Exception as exc:  # the user's code: one line, no traceback
         raise ConfigError(
-            f"model.factory: {spec}(**model.kwargs) raised {type(exc).__name__}: {exc}; "
+            f"model.factory: {spec}(**model.kwargs) raised {one_line(exc)}; "
             "check model.kwargs against the function's arguments"
         ) from None
     if not isinstance(model, nn.Module):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from muloco.errors import ConfigError
+from muloco.errors import ConfigError, one_line
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions")  # Llama-style and GPT-2-style names
 SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -82,19 +82,29 @@ def build_hf_model(spec: str | dict[str, Any], vocab_size: int, seq_len: int) ->
         raise ConfigError(f"model.hf.model_type: {model_type!r} is not a model type transformers knows{hint}")
     values.pop("architectures", None)  # a saved config's record, not a setting
     values.pop("transformers_version", None)
-    _check_keys(mapping[model_type], values, model_type)
-    config = transformers.AutoConfig.for_model(model_type, **values)
-    if "vocab_size" not in values:
-        config.vocab_size = vocab_size
-    for key in CONTEXT_KEYS:
-        if hasattr(config, key) and key not in values:
-            setattr(config, key, seq_len)
-    for key in SPECIAL_TOKEN_KEYS:  # e.g. GPT-2's 50256 in a 256-token vocabulary
-        token = getattr(config, key, None)
-        if key not in values and isinstance(token, int) and token >= config.vocab_size:
-            setattr(config, key, None)
+    config_class = mapping[model_type]
+    _check_keys(config_class, values, model_type)
+    # A key and its alias (GPT-2's max_position_embeddings -> n_positions) are one setting.
+    aliases = getattr(config_class, "attribute_map", {})
+    given = {aliases.get(key, key) for key in values}
+    defaults = {"vocab_size": vocab_size, **dict.fromkeys(CONTEXT_KEYS, seq_len)}
+    filled = {k: v for k, v in defaults.items() if aliases.get(k, k) not in given}
     try:
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except ValueError as exc:
-        raise ConfigError(f"model.hf: {model_type} has no causal LM in transformers ({exc})") from None
-    return model
+        config = transformers.AutoConfig.for_model(model_type, **values)
+        for key, value in filled.items():
+            if hasattr(config, key):
+                setattr(config, key, value)
+        for key in SPECIAL_TOKEN_KEYS:  # e.g. GPT-2's 50256 in a 256-token vocabulary
+            token = getattr(config, key, None)
+            if key not in values and isinstance(token, int) and token >= config.vocab_size:
+                setattr(config, key, None)
+    except Exception as exc:  # transformers validates configs with several error types
+        raise ConfigError(f"model.hf: invalid {model_type} config ({one_line(exc)})") from None
+    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(
+            f"model.hf: {model_type} has no causal LM in transformers; pick a decoder model type"
+        )
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception as exc:
+        raise ConfigError(f"model.hf: cannot build {model_type} ({one_line(exc)})") from None

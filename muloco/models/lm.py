@@ -9,16 +9,17 @@ which layer returns the logits, so parameter roles do not rest on "the last Line
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from muloco.errors import ConfigError
-from muloco.models.roles import ParamRole, infer_param_roles
+from muloco.errors import ConfigError, one_line
+from muloco.models.roles import ParamRole, infer_param_roles, transposed_weights
 
-PROBE_TOKENS = 8  # the length of the probe sequence build-time checks run through the model
+log = logging.getLogger("muloco")
 
 
 def unwrap_logits(output: Any) -> Any:
@@ -63,15 +64,24 @@ class CausalLM(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
     def param_roles(self) -> dict[str, ParamRole]:
+        """The wrapped model's own `param_roles()` (under `net.`) when it has one, else roles inferred
+        with the traced head."""
+        own = getattr(self.net, "param_roles", None)
+        if callable(own):
+            return {f"net.{name}": role for name, role in own().items()}
         head = self.get_submodule(self.head_name) if self.head_name else None
         return infer_param_roles(self, head=head if head is not None else "none")
 
+    def transposed_weights(self) -> set[str]:
+        """The wrapped model's weights stored as (in, out) (roles.transposed_weights), under `net.`."""
+        return {f"net.{name}" for name in transposed_weights(self.net)}
+
     # -- the build-time check -------------------------------------------------------------------------
     def _probe(self) -> str | None:
-        """Run ids (1, T) holding the largest id of the data's vocabulary; check the logits' shape and
-        return the name of the weight layer whose output is the logits (or has their shape; None when no
-        layer's does)."""
-        V, T = self.vocab_size, min(self.seq_len, PROBE_TOKENS)
+        """Run ids (1, seq_len) holding the largest id of the data's vocabulary; check the logits' shape
+        and return the name of the weight layer whose output is the logits (or, when none is, the only
+        layer whose output has their shape; else None)."""
+        V, T = self.vocab_size, self.seq_len
         idx = torch.full((1, T), V - 1, dtype=torch.long)
         idx[0, 0] = 0
         outputs: dict[str, Any] = {}
@@ -87,13 +97,15 @@ class CausalLM(nn.Module):
                 logits = self.logits(idx)
         except IndexError as exc:
             raise ConfigError(
-                f"{self.field}: the model fails on token id {V - 1} ({exc}); its embedding must have at "
-                f"least the data's vocabulary size {V} rows (set its vocab_size to >= {V})"
+                f"{self.field}: the model fails on token ids of shape (1, {T}) up to id {V - 1} "
+                f"({one_line(exc)}); its "
+                f"token embedding needs >= {V} rows (the data's vocabulary) and its positions >= {T} "
+                "(model.seq_len)"
             ) from None
         except Exception as exc:  # the user's code: any failure is theirs to fix, in one line
             raise ConfigError(
                 f"{self.field}: the model's forward failed on token ids of shape (1, {T}) "
-                f"({type(exc).__name__}: {exc}); it must map ids (B, T) to logits (B, T, vocab)"
+                f"({one_line(exc)}); it must map ids (B, T) to logits (B, T, vocab)"
             ) from None
         finally:
             self.train(was_training)
@@ -111,6 +123,18 @@ class CausalLM(nn.Module):
                 f"{V}; set the model's vocab_size to >= {V}"
             )
         exact = [name for name, out in outputs.items() if out is logits]
-        # Logits scaled or capped after the head: the last layer whose output has the logits' shape.
+        if exact:
+            return exact[-1]
+        # Logits scaled or capped after the head: the one layer whose output has the logits' shape. When
+        # several have it (a hidden width equal to the vocabulary), guessing could take a hidden matrix
+        # off Muon: no head, and the wrapped model can say it with its own param_roles().
         shaped = [n for n, out in outputs.items() if torch.is_tensor(out) and out.shape == logits.shape]
-        return (exact or shaped or [None])[-1]
+        if len(shaped) > 1:
+            log.warning(
+                "%s: %d layers output the logits' shape (%s) and none returns the logits themselves; no "
+                "layer is treated as the head (define param_roles() on the model to name it)",
+                self.field,
+                len(shaped),
+                ", ".join(shaped),
+            )
+        return shaped[0] if len(shaped) == 1 else None

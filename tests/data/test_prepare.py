@@ -88,11 +88,19 @@ def test_tokens_source_reads_meta_json_and_checks_the_config_against_it(corpus, 
     prepare([str(corpus["text"])], str(out), "bpe:280")
     data = load_data(DataConfig(source="tokens", path=str(out)), seq_len=16)
     assert data.vocab_size == 280 and data.tokenizer_file == out / "tokenizer.json"
-    with pytest.raises(DataError, match="data.vocab_size=500 but .*meta.json says 280"):
-        load_data(DataConfig(source="tokens", path=str(out), vocab_size=500), seq_len=16)
+    with pytest.raises(DataError, match="data.dtype=uint32 but .*meta.json says uint16"):
+        load_data(DataConfig(source="tokens", path=str(out), dtype="uint32"), seq_len=16)
     (out / "meta.json").write_text("{not json")
     with pytest.raises(DataError, match="not a valid meta.json"):
         load_data(DataConfig(source="tokens", path=str(out)), seq_len=16)
+
+
+def test_a_padded_vocabulary_is_allowed_a_smaller_one_is_not(corpus, tmp_path):
+    out = tmp_path / "bytes"
+    prepare([str(corpus["text"])], str(out), "byte")
+    assert load_data(DataConfig(source="tokens", path=str(out), vocab_size=320), seq_len=16).vocab_size == 320
+    with pytest.raises(DataError, match="data.vocab_size=200 but .*says 256; set it >= 256"):
+        load_data(DataConfig(source="tokens", path=str(out), vocab_size=200), seq_len=16)
 
 
 def test_tokens_without_meta_json_still_need_the_vocab_size(tmp_path):
@@ -102,7 +110,8 @@ def test_tokens_without_meta_json_still_need_the_vocab_size(tmp_path):
         np.arange(100, dtype=np.uint16).tofile(d / f"{split}.bin")
     with pytest.raises(DataError, match="data.vocab_size is required"):
         load_data(DataConfig(source="tokens", path=str(d)), seq_len=16)
-    assert load_data(DataConfig(source="tokens", path=str(d), vocab_size=100), seq_len=16).vocab_size == 100
+    data = load_data(DataConfig(source="tokens", path=str(d), vocab_size=100), seq_len=16)
+    assert data.vocab_size == 100 and data.tokenizer == "unknown"  # samples of such a run are refused
 
 
 @pytest.mark.parametrize(
@@ -134,6 +143,11 @@ def test_unreadable_input_and_a_non_empty_out_are_refused(tmp_path):
     (tmp_path / "a.txt").write_text("some text")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep").write_text("x")
+    with pytest.raises(UserError, match="--out .* is a file"):
+        prepare([str(tmp_path / "a.txt")], str(tmp_path / "a.txt"))
+    with pytest.raises(DataError, match="makes 10 tokens; give at least 16"):
+        prepare([str(tmp_path / "a.txt")], str(tmp_path / "short"))
+    (tmp_path / "a.txt").write_text("some text, long enough to split")
     with pytest.raises(UserError, match="--out .* not empty"):
         prepare([str(tmp_path / "a.txt")], str(tmp_path / "busy"))
     prepare([str(tmp_path / "a.txt")], str(tmp_path / "busy"), force=True)

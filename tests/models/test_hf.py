@@ -99,6 +99,12 @@ def test_a_local_config_json_with_overrides(tmp_path):
     assert model.net.config.num_hidden_layers == 1 and len(model.net.model.layers) == 1
 
 
+def test_an_explicit_context_length_is_kept_under_either_name():
+    assert _build({**GPT2, "n_positions": 64}).net.config.n_positions == 64
+    assert _build({**GPT2, "max_position_embeddings": 48}).net.config.n_positions == 48  # GPT-2's alias
+    assert _build({**LLAMA, "max_position_embeddings": 40}).net.config.max_position_embeddings == 40
+
+
 @pytest.mark.parametrize(
     "hf, needles",
     [
@@ -107,6 +113,9 @@ def test_a_local_config_json_with_overrides(tmp_path):
         ({**LLAMA, "hiden_size": 8}, ["model.hf.hiden_size", "hidden_size"]),
         ({**LLAMA, "vocab_size": 100}, ["model.hf", "300"]),
         ("/nonexistent/config.json", ["model.hf", "cannot read"]),
+        ({**LLAMA, "hidden_size": 30}, ["model.hf: invalid llama config", "multiple of"]),
+        ({**GPT2, "n_embd": 30}, ["model.hf: cannot build gpt2", "divisible"]),
+        ({**GPT2, "n_positions": 16}, ["model.hf", "positions >= 32"]),
     ],
 )
 def test_bad_hf_configs_are_one_line_errors(hf, needles):

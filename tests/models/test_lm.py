@@ -138,3 +138,59 @@ def test_logits_scaled_after_the_head_still_find_the_head():
     lm = CausalLM(Scaled(), 50, 8, "model.factory")
     assert lm.head_name == "net.out"  # the layer whose output has the logits' shape
     assert param_roles(lm)["net.out.weight"] is ParamRole.HEAD
+
+
+def test_several_layers_with_the_logits_shape_give_no_head_and_a_warning(caplog):
+    class Square(nn.Module):  # the hidden width equals the vocabulary: shapes cannot tell the head
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(32, 32)
+            self.hidden = nn.Linear(32, 32, bias=False)
+            self.out = nn.Linear(32, 32, bias=False)
+
+        def forward(self, ids):
+            return self.out(self.hidden(self.embed(ids))) * 0.5
+
+    with caplog.at_level("WARNING", logger="muloco"):
+        lm = CausalLM(Square(), 32, 8, "model.factory")
+    assert lm.head_name is None and "no layer is treated as the head" in caplog.text
+    roles = param_roles(lm)
+    assert roles["net.hidden.weight"] is ParamRole.MATRIX and roles["net.out.weight"] is ParamRole.MATRIX
+
+
+def test_a_wrapped_model_names_its_own_roles_and_transposed_weights():
+    from muloco.models import transposed_weights
+
+    class Own(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(40, 16)
+            self.w = nn.Parameter(torch.randn(16, 40) * 0.02)  # (in, out): a head stored transposed
+
+        def forward(self, ids):
+            return self.embed(ids) @ self.w
+
+        def param_roles(self):
+            return {"embed.weight": ParamRole.EMBEDDING, "w": ParamRole.MATRIX}
+
+        def transposed_weights(self):
+            return {"w"}
+
+    lm = CausalLM(Own(), 40, 8, "model.factory")
+    assert param_roles(lm) == {"net.embed.weight": ParamRole.EMBEDDING, "net.w": ParamRole.MATRIX}
+    assert transposed_weights(lm) == {"net.w"}
+
+
+def test_a_position_table_shorter_than_seq_len_fails_at_build_time(factory_module):
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(50, 8), nn.Embedding(16, 8)
+            self.out = nn.Linear(8, 50)
+
+        def forward(self, ids):
+            return self.out(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))
+
+    CausalLM(Positions(), 50, 16, "model.factory")  # fits
+    with pytest.raises(ConfigError, match=r"positions >= 32 \(model.seq_len\)"):
+        CausalLM(Positions(), 50, 32, "model.factory")
