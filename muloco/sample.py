@@ -39,7 +39,7 @@ def _tokenizer_info(run_dir: Path, cfg) -> dict:
 
 
 def load_trained_model(run_dir: Path) -> tuple[nn.Module, object, int]:
-    """(model with the newest checkpoint's global parameters, tokenizer, checkpoint step)."""
+    """(model with the newest checkpoint's global parameters, tokenizer, model.seq_len)."""
     if not (run_dir / "config.yaml").is_file():
         raise UserError(
             f"RUN_DIR: {run_dir} has no config.yaml; name a run directory such as runs/quickstart"
@@ -69,7 +69,7 @@ def load_trained_model(run_dir: Path) -> tuple[nn.Module, object, int]:
             f"checkpoint {path} does not fit the model the run's config.yaml builds now ({one_line(exc)}); "
             "did the model's code or the data's vocabulary change?"
         ) from None
-    return model.eval(), load_run_tokenizer(run_dir, info), int(state["progress"]["steps"])
+    return model.eval(), load_run_tokenizer(run_dir, info), cfg.model.seq_len
 
 
 @torch.no_grad()
@@ -116,8 +116,7 @@ def sample_run(
     if tokens < 1 or samples < 1 or not math.isfinite(temperature) or temperature < 0 or top_k < 0:
         raise UserError("--tokens and --samples must be >= 1, --temperature and --top-k >= 0")
     directory = Path(run_dir).expanduser()
-    model, tokenizer, _ = load_trained_model(directory)
-    cfg_seq_len = load_config(str(directory / "config.yaml")).model.seq_len
+    model, tokenizer, seq_len = load_trained_model(directory)
     prompt_ids = tokenizer.encode_batch([prompt])[0] if prompt else []
     if not prompt_ids:  # start where a document starts: after an end-of-text
         prompt_ids = [tokenizer.eot if tokenizer.eot is not None else 0]
@@ -128,7 +127,7 @@ def sample_run(
             model,
             prompt_ids,
             tokens,
-            seq_len=cfg_seq_len,
+            seq_len=seq_len,
             vocab_size=tokenizer.vocab_size,
             temperature=temperature,
             top_k=top_k,

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from muloco.data import builtin
-from muloco.data.sources import META_FILE, expand_text_paths
+from muloco.data.sources import META_FILE, expand_text_paths, read_text_file
 from muloco.data.tokenizer import ByteTokenizer, load_bpe, parse_tokenizer_spec, train_bpe
 from muloco.errors import DataError, UserError
 
@@ -57,18 +57,10 @@ def _fail(file: Path, what: str, fix: str) -> DataError:
 
 
 def _read_text(file: Path) -> str:
-    try:
-        data = file.read_bytes()
-    except OSError as exc:
-        raise _fail(file, f"cannot be read ({exc.strerror})", "fix its permissions or leave it out") from None
+    data = read_text_file(file, field=FIELD)  # unreadable or not UTF-8: one line naming the file
     if b"\x00" in data[: 1 << 20]:
         raise _fail(file, "looks binary (it holds NUL bytes)", "give text, .jsonl or .parquet files")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _fail(
-            file, f"is not UTF-8 text (bad byte at offset {exc.start})", "convert it or leave it out"
-        ) from None
+    return data.decode("utf-8")
 
 
 def _jsonl_documents(file: Path, key: str, text_field: str) -> Iterator[tuple[str, str]]:
@@ -118,9 +110,7 @@ def _parquet_documents(file: Path, key: str, column: str) -> Iterator[tuple[str,
             yield f"{key}#{row}", value or ""
 
 
-def iter_documents(
-    files: list[tuple[str, Path]], text_field: str, column: str, counts: Counts | None = None
-) -> Iterator[tuple[str, str]]:
+def iter_documents(files: list[tuple[str, Path]], text_field: str, column: str) -> Iterator[tuple[str, str]]:
     """(split key, text) of every document in the inputs, in order."""
     for key, file in files:
         suffix = file.suffix.lower()
@@ -130,8 +120,6 @@ def iter_documents(
             yield from _parquet_documents(file, key, column)
         else:
             yield key, _read_text(file)
-        if counts is not None:
-            counts.input_bytes += file.stat().st_size
 
 
 def _progress(total: int, description: str):
@@ -161,9 +149,10 @@ def _texts_with_progress(files, text_field, column, description) -> Iterator[str
 def _write_tokens(
     files, tokenizer, text_field: str, column: str, val_fraction: float, dtype: np.dtype, out: Path
 ) -> Counts:
-    counts = Counts(files=[key for key, _ in files])
+    sizes = [file.stat().st_size for _, file in files]
+    counts = Counts(files=[key for key, _ in files], input_bytes=sum(sizes))
     eot = [] if tokenizer.eot is None else [tokenizer.eot]
-    bar, task = _progress(sum(f.stat().st_size for _, f in files), "tokenizing")
+    bar, task = _progress(counts.input_bytes, "tokenizing")
     with bar, open(out / "train.bin", "wb") as train, open(out / "val.bin", "wb") as val:
         batch: list[tuple[str, str]] = []
 
@@ -177,8 +166,8 @@ def _write_tokens(
                     counts.train_documents += 1
             batch.clear()
 
-        for key, file in files:
-            for doc_key, text in iter_documents([(key, file)], text_field, column, counts):
+        for (key, file), size in zip(files, sizes, strict=True):
+            for doc_key, text in iter_documents([(key, file)], text_field, column):
                 if not text:
                     counts.skipped_empty += 1
                     continue
@@ -186,7 +175,7 @@ def _write_tokens(
                 batch.append((doc_key, text))
                 if len(batch) == ENCODE_BATCH:
                     flush()
-            bar.advance(task, file.stat().st_size)
+            bar.advance(task, size)
         flush()
     counts.train_tokens = (out / "train.bin").stat().st_size // dtype.itemsize
     counts.val_tokens = (out / "val.bin").stat().st_size // dtype.itemsize

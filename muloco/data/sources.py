@@ -259,20 +259,20 @@ def expand_text_paths(path: str | list[str], field: str = "data.path") -> list[t
     return out
 
 
-def _read_text_file(file: Path) -> bytes:
+def read_text_file(file: Path, field: str = "data.path") -> bytes:
+    """The file's bytes, checked to be UTF-8; a DataError naming `field` and the file otherwise."""
     try:
         data = file.read_bytes()
     except OSError as exc:
         raise DataError(
-            f"data.path: cannot read {file} ({exc.strerror}); "
-            "fix its permissions or leave it out of data.path"
+            f"{field}: cannot read {file} ({exc.strerror}); fix its permissions or leave it out of {field}"
         ) from None
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(
-            f"data.path: {file} is not UTF-8 text (bad byte at offset {exc.start}); "
-            "convert it or leave it out of data.path"
+            f"{field}: {file} is not UTF-8 text (bad byte at offset {exc.start}); "
+            f"convert it or leave it out of {field}"
         ) from None
     return data
 
@@ -287,7 +287,7 @@ def split_text_files(
     """
     parts: dict[str, list[bytes]] = {"train": [], "val": []}
     for key, file in files:
-        data = _read_text_file(file)
+        data = read_text_file(file)
         parts["val" if builtin.is_val(key, val_fraction) else "train"] += [data, builtin.SEPARATOR]
     n_train, n_val = len(parts["train"]) // 2, len(parts["val"]) // 2
     if n_train and n_val:

@@ -164,7 +164,8 @@ def _muon(
         ns_dtype=_NS_DTYPES[inner.ns_dtype],
     )
     # Weights stored as (in, out) get their own group: Muon steps them in their (out, in) orientation.
-    upright = [p for p in params if not any(p is t for t in transposed)]
+    transposed_ids = {id(p) for p in transposed}
+    upright = [p for p in params if id(p) not in transposed_ids]
     groups = [{"params": upright}] if upright else []
     groups += [{"params": list(transposed), "transposed": True}] if transposed else []
     if process_group is not None and dist.get_world_size(process_group) > 1:

@@ -12,9 +12,11 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
-from muloco.config import _did_you_mean, read_yaml
+from pydantic import BaseModel
+
+from muloco.config import Config, _did_you_mean, read_yaml
 from muloco.errors import ConfigError
 
 TOP_LEVEL_KEYS = ("name", "base", "output_dir", "fixed", "grid", "zip", "exclude", "baselines")
@@ -38,8 +40,20 @@ class SweepSpec:
     baselines: bool = False
 
 
-# Config values that are mappings themselves (a Hugging Face config, a factory's kwargs): one value each.
-MAPPING_VALUES = ("model.hf", "model.kwargs")
+def _mapping_fields(model: type[BaseModel] = Config, prefix: str = "") -> frozenset[str]:
+    """Dotted names of config fields whose value may itself be a mapping (model.hf, model.kwargs): one
+    value each, never flattened into sub-keys."""
+    found: set[str] = set()
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found |= _mapping_fields(annotation, f"{prefix}{name}.")
+        elif dict in {get_origin(t) or t for t in (annotation, *get_args(annotation))}:
+            found.add(f"{prefix}{name}")
+    return frozenset(found)
+
+
+MAPPING_VALUES = _mapping_fields()
 
 
 def _flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
