@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 = all")
     sample.add_argument("--seed", type=int, default=0, help="sampling seed")
     sample.add_argument("--samples", type=int, default=1, help="independent samples to print")
+    key = sub.add_parser(
+        "swarm-key", help="write a new random key for backend.hivemind.auth.key_file (mode 0600)"
+    )
+    key.add_argument("file", metavar="FILE", help="where to write it (must not exist)")
     report = sub.add_parser("report", help="summary.csv, report.md and plots from the run dirs under DIR")
     report.add_argument("directory", metavar="DIR", help="a sweep directory, or any directory of run dirs")
     return parser
@@ -192,6 +196,14 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_swarm_key(args: argparse.Namespace) -> int:
+    from muloco.comm.hivemind.auth import write_key
+
+    write_key(args.file)
+    print(f"wrote {args.file} (mode 0600): copy it to every peer and set backend.hivemind.auth.key_file")
+    return 0
+
+
 def _plan_params(text: str) -> float:
     from muloco.config import MODEL_PRESETS, load_config
     from muloco.models import build_model
@@ -260,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": cmd_plan,
         "data": cmd_data,
         "sample": cmd_sample,
+        "swarm-key": cmd_swarm_key,
     }
     try:
         return commands[args.command](args)

@@ -35,13 +35,13 @@ from muloco.sync import CollectiveReducer, Reducer, SyncEngine, SyncRecord
 STATE_FORMAT = 2  # of state_dict(): 2 = the engine's state, progress and ledger (1: outer and counters)
 
 
-def _reducer_for(backend: Backend | HivemindBackendConfig | Reducer | None) -> Reducer:
+def _reducer_for(backend: Backend | HivemindBackendConfig | Reducer | None, tolerate: int = 0) -> Reducer:
     if backend is None:
         return CollectiveReducer.over(LocalBackend())
     if isinstance(backend, HivemindBackendConfig):
         from muloco.sync.swarm import SwarmReducer
 
-        return SwarmReducer(backend)
+        return SwarmReducer(backend, tolerate=tolerate)
     if hasattr(backend, "start_mean"):
         return backend  # a Reducer
     if hasattr(backend, "all_reduce_sum"):
@@ -82,11 +82,15 @@ class DiLoCo:
         total_steps: int | None = None,
         max_bad_syncs: int = 3,
         transport: str = "auto",
+        aggregate: str = "mean",
+        trim: int = 1,
     ) -> None:
         """total_steps: when given, the step() call that reaches it syncs every fragment with unsynced
         steps at once, as `muloco train` ends a run; max_bad_syncs: syncs in a row with this replica left
         out (non-finite) before TrainingError; transport: how compressed syncs travel (sync.transport:
-        all_gather, reduce_scatter or auto; reduce_scatter needs collectives, not a swarm)."""
+        all_gather, reduce_scatter or auto; reduce_scatter needs collectives, not a swarm); aggregate, trim:
+        how a sync combines the contributions (sync.aggregate, sync.trim: mean, trimmed_mean, median,
+        centered_clip; docs/security.md)."""
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(
                 f"sync_every must be an integer >= 1 (H, inner steps between syncs), got {sync_every}"
@@ -98,6 +102,8 @@ class DiLoCo:
             overlap=overlap,
             alpha=alpha,
             transport=transport,
+            aggregate=aggregate,
+            trim=trim,
         )
         outer = _section(OuterConfig, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
         if compression is not None and not isinstance(compression, Compressor | CompressionConfig):
@@ -106,7 +112,7 @@ class DiLoCo:
                 f"CompressionConfig, got {type(compression).__name__}"
             )
         self.model, self.inner_optimizer = model, inner_optimizer
-        reducer = _reducer_for(backend)
+        reducer = _reducer_for(backend, trim if aggregate != "mean" else 0)
         params = [p.data for p in model.parameters()]
         device = params[0].device if params else torch.device("cpu")
         if isinstance(reducer, CollectiveReducer):

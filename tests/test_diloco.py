@@ -160,6 +160,8 @@ def test_a_forced_sync_applies_everything_in_flight():
         ({"sync_every": 4, "backend": "torch"}, "backend must be None"),
         ({"sync_every": 4, "compression": "stat4"}, "compression must be"),
         ({"sync_every": 4, "transport": "ring"}, "DiLoCo\\(transport=...\\)"),
+        ({"sync_every": 4, "aggregate": "krum"}, "DiLoCo\\(aggregate=...\\)"),
+        ({"sync_every": 4, "aggregate": "median", "trim": 0}, "DiLoCo\\(trim=...\\)"),
         (
             {
                 "sync_every": 4,

@@ -3,6 +3,8 @@
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import torch
 
@@ -54,3 +56,25 @@ def start_muloco(*args, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`python -m muloco ARGS` in the background, stdout and stderr piped; the caller must end it."""
     cmd = [sys.executable, "-m", "muloco", *map(str, args)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env))
+
+
+class LineReader:
+    """Collects a process's stderr lines in the background (so a test can wait for one)."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream) -> None:
+        for line in iter(stream.readline, ""):
+            self.lines.append(line)
+
+    def wait_for(self, needle: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = next((line for line in list(self.lines) if needle in line), None)
+            if found:
+                return found
+            time.sleep(0.1)
+        raise AssertionError(f"no line with {needle!r} within {timeout} s")

@@ -7,7 +7,10 @@ must be called by every rank in the same order; a rank that is missing makes the
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -16,6 +19,37 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from muloco.comm.base import CompletedHandle
 from muloco.errors import UserError
+
+log = logging.getLogger("muloco")
+
+
+def exposed_address(host: str) -> str | None:
+    """The address of `host` when it is a global one, reachable from the internet; None for loopback,
+    private (RFC 1918, 198.18.0.0/15, unique-local IPv6), link-local and shared (100.64.0.0/10, e.g. a
+    tailnet) addresses, or when it does not resolve (init_process_group then reports it)."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return None
+    for info in infos:
+        address = ipaddress.ip_address(info[4][0].split("%")[0])
+        if address.is_global:
+            return str(address)
+    return None
+
+
+def warn_if_exposed(host: str) -> None:
+    """torch.distributed's rendezvous and gloo / nccl traffic carry no authentication or encryption
+    (docs/security.md): say so once when MASTER_ADDR is on a public address."""
+    address = exposed_address(host)
+    if address is not None:
+        log.warning(
+            "torch.distributed: MASTER_ADDR=%s (%s) is a public address, and the rendezvous and the "
+            "gloo/nccl traffic are neither authenticated nor encrypted: anyone who reaches the port can "
+            "join or read the run; use a private network or a tunnel (docs/security.md)",
+            host,
+            address,
+        )
 
 
 class _FlatHandle:
@@ -52,6 +86,8 @@ class TorchDistBackend:
                 )
         if dist_backend == "auto":
             dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if os.environ["RANK"] == "0":
+            warn_if_exposed(os.environ["MASTER_ADDR"])
         self.owns_group = not dist.is_initialized()
         if self.owns_group:
             dist.init_process_group(backend=dist_backend, timeout=timedelta(seconds=timeout_s))

@@ -31,6 +31,22 @@ class TorchBackendConfig(Section):
     )
 
 
+class HivemindAuthConfig(Section):
+    """Who belongs to the swarm (docs/security.md)."""
+
+    key_file: str | None = Field(
+        None,
+        description="Pre-shared key file (`muloco swarm-key FILE` writes one, mode 0600); every peer of "
+        "the run holds the same. Peers without it are never averaged with, served, loaded from or "
+        "counted. null: an open swarm (a warning says so).",
+    )
+    allowed_peers: list[str] | None = Field(
+        None,
+        description="A closed swarm: only these peer ids (base58, as logged at start) take part; needs "
+        "key_file and backend.hivemind.identity_path (a stable id), and must list this peer's own id.",
+    )
+
+
 class HivemindBackendConfig(Section):
     """The hivemind swarm's options: the one schema, passed as is to `muloco.comm.hivemind.HivemindSwarm`."""
 
@@ -105,6 +121,7 @@ class HivemindBackendConfig(Section):
         description="At start, wait until this many peers (this one included) are in the swarm, so they "
         "begin in step; `muloco launch --backend hivemind --nproc N` sets N.",
     )
+    auth: HivemindAuthConfig = Field(default_factory=HivemindAuthConfig)
 
     @field_validator("run_id")
     @classmethod
@@ -136,6 +153,11 @@ class HivemindBackendConfig(Section):
 
     @model_validator(mode="after")
     def _target_fits_min(self) -> HivemindBackendConfig:
+        if self.auth.allowed_peers is not None and (self.auth.key_file is None or self.identity_path is None):
+            raise ValueError(
+                "backend.hivemind.auth.allowed_peers needs auth.key_file and backend.hivemind.identity_path "
+                "(a stable peer id to list); set both"
+            )
         if self.target_group_size is not None and self.target_group_size < self.min_group_size:
             raise ValueError(
                 f"backend.hivemind.target_group_size ({self.target_group_size}) must be null or >= "

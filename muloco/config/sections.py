@@ -272,9 +272,28 @@ class SyncConfig(Section):
         "picks the faster on backend.local.bandwidth_mbps's link, else the one sending fewer bytes "
         "(all_gather at K <= 2 and on hivemind). fp32 syncs are a ring all-reduce either way.",
     )
+    aggregate: Literal["mean", "trimmed_mean", "median", "centered_clip"] = Field(
+        "mean",
+        description="How a sync combines the contributions, on every backend: mean; trimmed_mean (per "
+        "coordinate, drop the sync.trim largest and smallest); median (per coordinate); centered_clip "
+        "(clip each contribution's distance to a robust center). The robust ones tolerate bad members "
+        "(docs/security.md) and need every contribution whole: an fp32 sync then all-gathers instead of "
+        "all-reducing, and reduce_scatter is refused.",
+    )
+    trim: int = Field(
+        1,
+        ge=1,
+        description="trimmed_mean: contributions dropped at each end per coordinate (it tolerates this many "
+        "bad members; at most (n - 1) / 2 of n are dropped).",
+    )
 
     @model_validator(mode="after")
     def _check_streaming(self) -> SyncConfig:
+        if self.aggregate != "mean" and self.transport == "reduce_scatter":
+            raise ValueError(
+                f"sync.aggregate={self.aggregate} needs every contribution whole, which reduce_scatter does "
+                "not give its part owners; use sync.transport: all_gather (or auto)"
+            )
         P, H = self.fragments, self.every
         if P > H:
             raise ValueError(

@@ -25,7 +25,8 @@ def build_reducer(cfg, topology) -> Reducer:
     if cfg.backend.kind == "hivemind":
         from muloco.sync.swarm import SwarmReducer
 
-        return SwarmReducer(cfg.backend.hivemind, cfg.workers)
+        tolerate = cfg.sync.trim if cfg.sync.aggregate != "mean" else 0
+        return SwarmReducer(cfg.backend.hivemind, cfg.workers, tolerate)
     return CollectiveReducer(topology, cfg.workers)
 
 

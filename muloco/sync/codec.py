@@ -23,6 +23,7 @@ from muloco.compress import (
     get_compressor_from_config,
 )
 from muloco.models.roles import ParamRole
+from muloco.sync.aggregate import aggregate
 
 log = logging.getLogger("muloco")
 _COUNT = struct.Struct("<I")
@@ -117,24 +118,41 @@ class PseudogradientCodec:
             acc.add_(decoded.to(acc.device))
 
     def decode_mean(
-        self, blobs: list[bytes], max_replicas: int, like: list[torch.Tensor]
+        self,
+        blobs: list[bytes],
+        max_replicas: int,
+        like: list[torch.Tensor],
+        rule: str = "mean",
+        trim: int = 1,
     ) -> tuple[list[torch.Tensor] | None, int]:
         """Mean of every replica's message and how many there were; blobs are the processes' packed
         messages in rank order (a process sends none for a replica left out of the sync). A message that
-        does not decode is left out and logged, on every process alike (they all decode the same bytes)."""
-        total = [torch.zeros_like(t) for t in like]
+        does not decode is left out and logged, on every process alike (they all decode the same bytes).
+        rule: sync.aggregate; a robust rule keeps every decoded message and combines them in replica order."""
+        total = [torch.zeros_like(t) for t in like] if rule == "mean" else None
+        decoded: list[list[torch.Tensor]] = []
         seen = position = 0
         for blob in blobs:
             for message in unpack(blob):
                 try:
-                    self.decode_sum(message, total)
+                    if total is not None:
+                        self.decode_sum(message, total)
+                    else:
+                        values = self.decode(message, like)
+                        if not all(bool(torch.isfinite(v).all()) for v in values):
+                            raise CompressionError("non-finite values (a robust rule needs finite inputs)")
+                        decoded.append([d.to(t.device) for d, t in zip(values, like, strict=True)])
                     seen += 1
                 except CompressionError as exc:
                     log.warning("message=%d: left out of the mean: %s", position, exc)
                 position += 1
         if position > max_replicas:
             raise CompressionError(f"sync received {position} replica messages, more than K = {max_replicas}")
-        return ([t.div_(seen) for t in total] if seen else None), seen
+        if not seen:
+            return None, 0
+        if total is None:
+            return aggregate(decoded, rule, trim), seen
+        return [t.div_(seen) for t in total], seen
 
     def payload_bits(self, shapes: list[torch.Size]) -> float:
         """Bits one replica's message takes (payloads and the message header)."""

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from muloco.compress import Compressor, ErrorFeedback
+from muloco.compress import Compressor, ErrorFeedback, NoCompression
 from muloco.config import CompressionConfig, OuterConfig, SyncConfig
 from muloco.errors import UserError
 from muloco.models.roles import param_roles
@@ -113,9 +113,17 @@ class SyncEngine:
             raise UserError(str(exc)) from None
         shapes = [[self.outer.params[i].shape for i in f] for f in self.fragments]
         self.codecs = build_codecs(model, self.fragments, compression)
+        compressed = bool(self.codecs)
+        self.aggregate, self.trim = sync.aggregate, sync.trim
+        if self.aggregate != "mean" and not compressed:
+            # A robust rule needs every contribution whole: fp32 messages, all-gathered (aggregate.py).
+            names = [name for name, _ in named]
+            self.codecs = [
+                PseudogradientCodec([names[i] for i in f], [NoCompression()] * len(f)) for f in self.fragments
+            ]
         self.transport = self._choose_transport(model, sync, compression, shapes, reducer.workers, wan)
         ef = compression if isinstance(compression, CompressionConfig) else None
-        with_ef = bool(ef and ef.error_feedback and self.codecs)
+        with_ef = bool(ef and ef.error_feedback and compressed)
         self.error_feedback = [
             ErrorFeedback(ef.ef_decay, ef.ef_alpha) if with_ef else None for _ in range(local_replicas)
         ]
@@ -138,6 +146,8 @@ class SyncEngine:
         whose owners re-quantize the mean with `compression.mean_bits`."""
         if not self.codecs:
             return choose_transport(sync.transport, workers, False, None, 0.0, 0.0)
+        if sync.aggregate != "mean":
+            return "all_gather"  # owners of parts cannot apply a rule that needs whole contributions
         mean_codecs = build_codecs(model, self.fragments, mean_compression(compression))
         message = sum(c.payload_bits(s) / 8 for c, s in zip(self.codecs, shapes, strict=True))
         mean = sum(c.payload_bits(s) / 8 for c, s in zip(mean_codecs, shapes, strict=True))
@@ -235,7 +245,17 @@ class SyncEngine:
         )
         with record_function("muloco::reduce"):
             contribution = Contribution(
-                fragment, step, healthy, like, payload, delta_sum, messages, codec, self.owner_feedback
+                fragment,
+                step,
+                healthy,
+                like,
+                payload,
+                delta_sum,
+                messages,
+                codec,
+                self.owner_feedback,
+                self.aggregate,
+                self.trim,
             )
             pending = self.reducer.start_mean(contribution)
         self.ledger.count(pending.bytes_sent)  # collectives: known now (a swarm's when its group is)

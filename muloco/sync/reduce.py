@@ -49,6 +49,8 @@ class Contribution:
     messages: list[bytes] = field(default_factory=list)  # compressed: one message per healthy replica
     codec: PseudogradientCodec | PartitionedCodec | None = None  # PartitionedCodec: reduce-scatter
     owner_feedback: list[ErrorFeedback | None] = field(default_factory=list)  # per local replica (owner)
+    aggregate: str = "mean"  # sync.aggregate (aggregate.py): a robust rule needs the messages (codec)
+    trim: int = 1  # sync.trim, for trimmed_mean
 
 
 @dataclass
@@ -174,7 +176,7 @@ class CollectiveReducer:
             elif isinstance(c.codec, PartitionedCodec):
                 pending = _start_mean_partitioned(self.topology.sync, c, K)
             else:
-                pending = _start_mean_compressed(self.topology.sync, c.codec, c.messages, K, c.like)
+                pending = _start_mean_compressed(self.topology.sync, c, K)
         if self.topology.worker is not None:
             pending = _share_with_worker(self.topology.worker, pending, c.like, K)
         if c.codec is None:
@@ -207,15 +209,13 @@ def _start_mean_uncompressed(
     return PendingMean(handle, finish)
 
 
-def _start_mean_compressed(
-    backend: Backend, codec: PseudogradientCodec, messages: list[bytes], max_replicas: int, like: list
-) -> PendingMean:
-    """Compressed: all-gather every process's messages (one per healthy replica); every process decodes
-    all of them in replica order and averages."""
-    handle = backend.all_gather_bytes(pack(messages))
+def _start_mean_compressed(backend: Backend, c: Contribution, max_replicas: int) -> PendingMean:
+    """Compressed (or a robust sync.aggregate): all-gather every process's messages (one per healthy
+    replica); every process decodes all of them in replica order and combines them (aggregate.py)."""
+    handle = backend.all_gather_bytes(pack(c.messages))
 
     def finish(blobs: list[bytes]) -> Mean:
-        values, seen = codec.decode_mean(blobs, max_replicas, like)
+        values, seen = c.codec.decode_mean(blobs, max_replicas, c.like, c.aggregate, c.trim)
         return Mean(values, seen, max_replicas - seen)
 
     return PendingMean(handle, finish)

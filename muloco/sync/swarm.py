@@ -24,6 +24,44 @@ from muloco.sync.reduce import Contribution, Mean, PendingMean, SharedState
 
 log = logging.getLogger("muloco")
 
+# How long a peer that must realign keeps asking (its donor may still be finishing the same sync), and how
+# many loads it tries in a row (after a load it looks again: the swarm may have moved on meanwhile).
+REALIGN_WAIT_S = 10.0
+CATCH_UP_WAIT_S = 0.6
+REALIGN_ATTEMPTS = 40
+
+
+def _reference(digests: dict[str, bytes], own: bytes) -> tuple[str, bytes] | None:
+    """When this peer holds another model than its group's majority: the member whose state it should load
+    and that member's digest; None when it agrees. The majority digest is the one most members announced
+    (a tie goes to the digest whose lowest holder has the lowest peer id), the reference member its holder
+    with the lowest peer id. Every member sees the same metadata, so all pick the same: only the minority
+    reloads, and all of it from one peer."""
+    if not digests or own not in digests.values():
+        return None  # no digests to compare (or this peer's own is missing: nothing to decide from)
+    holders: dict[bytes, list[str]] = {}
+    for peer in sorted(digests, key=lambda p: _peer(p).to_bytes()):
+        holders.setdefault(digests[peer], []).append(peer)
+    majority = max(holders.values(), key=len)  # max keeps the first of equals: the lowest first holder
+    reference = majority[0]
+    return None if digests[reference] == own else (reference, digests[reference])
+
+
+def _backed_digests(records: dict, min_progress: int, quorum: int) -> set[bytes]:
+    """The state digests that at least `quorum` peers announce at one progress >= min_progress."""
+    counts: dict[tuple[int, bytes], int] = {}
+    for record in records.values():
+        if record.progress >= min_progress and record.digest:
+            key = (record.progress, record.digest)
+            counts[key] = counts.get(key, 0) + 1
+    return {digest for (_, digest), n in counts.items() if n >= quorum}
+
+
+def _peer(peer_id: str):
+    from hivemind.p2p import PeerID
+
+    return PeerID.from_base58(peer_id)
+
 
 def peer_index(section: HivemindBackendConfig, workers: int) -> int:
     """This peer's replica index: backend.hivemind.peer_index, else the launcher's RANK, else 0."""
@@ -39,12 +77,14 @@ def peer_index(section: HivemindBackendConfig, workers: int) -> int:
 
 
 class SwarmReducer:
-    def __init__(self, section: HivemindBackendConfig, workers: int | None = None) -> None:
+    def __init__(self, section: HivemindBackendConfig, workers: int | None = None, tolerate: int = 0) -> None:
         """workers: K of `muloco train` (the peer indices' range, the WAN projection); None in the Python
-        API, where the swarm's size is whoever is present."""
-        self.section, self.workers = section, workers
+        API, where the swarm's size is whoever is present. tolerate: bad members the run defends against
+        (sync.trim with a robust sync.aggregate, else 0): a progress claim or a state counts only when
+        tolerate + 1 peers' records back it, so that many insiders cannot make honest peers reload theirs."""
+        self.section, self.workers, self.tolerate = section, workers, tolerate
         self.swarm = None
-        self.served: tuple[list[torch.Tensor], dict] | None = None
+        self.digest = b""  # this peer's global state digest, announced to its groups and in its progress
 
     def local_replicas(self, workers: int) -> list[int]:
         return [peer_index(self.section, workers)]  # one replica per peer: its data shard
@@ -57,6 +97,8 @@ class SwarmReducer:
         compression = [codec.compressors for codec in codecs] if codecs else None
         try:
             self.swarm = HivemindSwarm(self.section, shapes_by_fragment, compression)
+        except UserError:
+            raise  # a bad key file, a peer list without this peer: already one line naming the field
         except Exception as exc:  # the p2p daemon cannot bind, an initial peer is unreachable, ...
             raise UserError(
                 f"backend.hivemind: could not start or join the swarm ({type(exc).__name__}: {exc}); check "
@@ -73,30 +115,41 @@ class SwarmReducer:
         self._serve(state)
         self._wait_for_peers(state.fragment_syncs)
 
-    def _load(self, state: SharedState, replicas: list) -> bool:
-        """Global parameters, outer momentum and step counters from a peer; the replicas restart there."""
-        found = self.swarm.load_state_from_peers(self.section.join_timeout_s)
+    def _load(self, state: SharedState, replicas: list, donor=None, min_progress: int = 0) -> bool:
+        """Global parameters, outer momentum and step counters from a peer (the one given, else the one
+        furthest ahead); the replicas restart there."""
+        like, _ = state.export_state()
+        donors = None if donor is None else [donor]
+        digests = None
+        if self.tolerate:
+            digests = _backed_digests(self.swarm.peer_records(), min_progress, self.tolerate + 1)
+            if not digests:
+                log.info(
+                    "hivemind: no state at progress >= %d that %d peers announce",
+                    min_progress,
+                    self.tolerate + 1,
+                )
+                return False
+        timeout = self.section.join_timeout_s
+        found = self.swarm.load_state_from_peers(like, timeout, donors, min_progress, digests)
         if found is None:
             return False
-        tensors, meta = found
+        tensors, meta, source = found
         state.adopt_state(tensors, meta, replicas)
         log.info(
-            "hivemind: loaded the swarm's state: step=%d outer_steps=%d", meta["step"], meta["outer_steps"]
+            "hivemind: loaded the state of peer=%s: step=%d outer_steps=%d",
+            *(source, meta["step"], meta["outer_steps"]),
         )
         return True
 
     def _serve(self, state: SharedState) -> None:
-        """Keep a copy of this peer's state for joiners (taken between syncs: never half-updated)."""
-        tensors, meta = state.export_state()
-        first = self.served is None
-        self.served = ([t.detach().cpu().clone() for t in tensors], dict(meta))
-        if first:
-            self.swarm.share_state(lambda: self.served)
+        """Serve a copy of this peer's state to other peers (taken between syncs: never half-updated)."""
+        self.digest = self.swarm.share_state(*state.export_state())
 
     def _wait_for_peers(self, progress: int) -> None:
         """Publish this peer, then wait until backend.hivemind.wait_for_peers peers are there (at most
         join_timeout_s): peers that a launcher starts together then begin in step."""
-        self.swarm.publish_outer_step(progress)
+        self.swarm.publish_outer_step(progress, self.digest)
         deadline = time.monotonic() + self.section.join_timeout_s
         while (present := len(self.swarm.peer_outer_steps())) < self.section.wait_for_peers:
             if time.monotonic() > deadline:
@@ -115,14 +168,15 @@ class SwarmReducer:
         c = contribution
         if c.healthy == 0:
             return PendingMean.completed(Mean(None, 0, left_out=1, details={"group_size": 1}))
+        rule, digest = (c.aggregate, c.trim), self.digest
         if c.codec is None:
-            handle = self.swarm.start_average(c.fragment, c.delta_sum, c.step)
+            handle = self.swarm.start_average(c.fragment, c.delta_sum, c.step, rule, digest)
         else:
-            handle = self.swarm.start_average_encoded(c.fragment, unpack(c.messages[0]), c.step)
-        return PendingMean(handle, self._mean_of(c))
+            handle = self.swarm.start_average_encoded(c.fragment, unpack(c.messages[0]), c.step, rule, digest)
+        return PendingMean(handle, self._mean_of(c, digest))
 
     @staticmethod
-    def _mean_of(c: Contribution) -> Callable[[object], Mean]:
+    def _mean_of(c: Contribution, digest: bytes) -> Callable[[object], Mean]:
         def finish(result) -> Mean:
             if result.excluded_reasons:
                 log.warning("hivemind: contributions excluded: %s", result.excluded_reasons)
@@ -131,34 +185,84 @@ class SwarmReducer:
                 log.warning("hivemind: no group for fragment %d at step %d: %s", c.fragment, c.step, outcome)
             # Each member uploads its payload to every other member of the group (a mesh all-gather).
             sent = (result.group_size - 1) * c.payload_bytes
-            details = {"group_size": result.group_size}
+            details = {"group_size": result.group_size, "state_digest": digest.hex()}
+            reference = _reference(result.digests, digest)
+            if reference is not None:  # JSON-friendly: the details are logged with the sync
+                details["state_reference"], details["state_reference_digest"] = (
+                    reference[0],
+                    reference[1].hex(),
+                )
             return Mean(result.mean, result.contributors, result.excluded, sent, details)
 
         return finish
 
-    # -- after a sync: catch up -----------------------------------------------------------------------
+    # -- after a sync: catch up, or realign with the group ------------------------------------------
     def after_sync(self, state: SharedState, mean: Mean, replicas: list) -> None:
-        """A peer that is behind the swarm (it cannot average with peers at another step), or that found no
+        """A peer that is behind the swarm (it cannot average with peers at another step), that found no
         group while other peers are there (it applied its own pseudogradient, so its global parameters left
-        the swarm's), loads the swarm's state and continues from there."""
+        the swarm's), or whose group showed it holds another model than its reference member (e.g. it
+        left out a contribution that the others averaged) loads a peer's state and continues from there."""
         missed_group = mean.details.get("group_size") == 1
-        if not missed_group:
-            self._serve(state)  # a peer that went its own way does not offer its state to joiners
-        for _ in range(3):  # a donor may still hold the previous sync's state: look again
+        reference = mean.details.get("state_reference")  # a peer id when this peer's state differs
+        if missed_group:  # it went its own way: it does not offer that state, but announces it truthfully
+            from muloco.comm.hivemind.state_sharing import state_digest
+
+            self.digest = state_digest(state.export_state()[0])
+        else:
+            self._serve(state)
+        # Realigning with the group's reference, whose donor is finishing the same sync: wait for it a
+        # while. Behind or without a group: the donors have long served their state, a few looks do.
+        deadline = time.monotonic() + (REALIGN_WAIT_S if reference else CATCH_UP_WAIT_S)
+        for _ in range(REALIGN_ATTEMPTS):  # a donor may still serve the previous sync's state: look again
             progress = state.fragment_syncs
-            self.swarm.publish_outer_step(progress)
-            ahead = max(self.swarm.peer_outer_steps().values(), default=progress)
+            self.swarm.publish_outer_step(progress, self.digest)
+            ahead = self._swarm_progress(progress)
             behind = ahead > progress
             realign = missed_group and self._others_in_step(progress)
-            if not (behind or realign) or not state.can_adopt():
+            if not (behind or realign or reference):
                 return
-            why = f"is behind ({progress} syncs, the swarm {ahead})" if behind else "found no group"
-            log.warning("hivemind: this peer %s: loading the swarm's state", why)
-            if not self._load(state, replicas):
+            if not state.can_adopt():
+                if reference:  # not silent: the run's last sync, or a streaming sync still in flight
+                    log.warning(
+                        "hivemind: this peer's global state differs from its group's majority (peer=%s) and "
+                        "cannot be realigned now (a sync in flight, or the run's end)",
+                        reference,
+                    )
                 return
-            self._serve(state)
-            missed_group = False
-            time.sleep(0.2)
+            if reference and not behind:
+                log.warning(
+                    "hivemind: this peer's global state differed from its group's majority before progress "
+                    "%d (digest %s, this peer's %s): loading the state of peer=%s",
+                    *(
+                        progress,
+                        mean.details["state_reference_digest"],
+                        mean.details["state_digest"],
+                        reference,
+                    ),
+                )
+                loaded = self._load(state, replicas, _peer(reference), min_progress=progress)
+            else:
+                why = f"is behind ({progress} syncs, the swarm {ahead})" if behind else "found no group"
+                log.warning("hivemind: this peer %s: loading the swarm's state", why)
+                loaded = self._load(state, replicas, min_progress=progress + 1 if behind else progress)
+            if loaded:
+                self._serve(state)
+                missed_group, reference = False, None
+            if time.monotonic() > deadline:
+                if not loaded:
+                    log.warning(
+                        "hivemind: could not load a peer's state in time: trying again after the next sync"
+                    )
+                return
+            if not loaded:
+                time.sleep(0.25)
+
+    def _swarm_progress(self, progress: int) -> int:
+        """The swarm's progress as this peer trusts it: the (tolerate + 1)-th highest that other peers
+        published (so `tolerate` insiders cannot claim it), or this peer's own if fewer published."""
+        me = str(self.swarm.peer_id)
+        others = sorted((p for peer, p in self.swarm.peer_outer_steps().items() if peer != me), reverse=True)
+        return max(progress, others[self.tolerate]) if len(others) > self.tolerate else progress
 
     def _others_in_step(self, progress: int) -> bool:
         """Whether another peer has published at least this progress (it synced this round without us; a

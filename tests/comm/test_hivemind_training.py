@@ -8,7 +8,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from test_helpers import run_muloco, start_muloco
+from test_helpers import LineReader, run_muloco, start_muloco
 
 from muloco.checkpoint import list_checkpoints, load_checkpoint
 
@@ -27,6 +27,7 @@ def common(tmp_path, TINY, total_tokens=6144):
         f"train.total_tokens={total_tokens}",
         "sync.every=3",
         "backend.hivemind.target_group_size=3",  # a full group starts at once (no matchmaking wait)
+        "backend.hivemind.averaging_timeout=15",  # 2 busy cores: a download is not given up under load
         f"run.output_dir={tmp_path}",
         "run.name=swarm",
     ]
@@ -59,10 +60,12 @@ def test_three_peers_average_every_sync_and_stay_equal(tmp_path, TINY, compressi
     assert result.returncode == 0, result.stderr[-3000:]
     peers = [tmp_path / f"swarm-peer{i}" for i in range(3)]
     for run_dir in peers:
-        records = syncs(run_dir)
-        assert len(records) == 6 and all(  # 16 steps: syncs at 3, 6, ..., 15 and 16
-            r["group_size"] == 3 and r["replicas_left_out"] == 0 for r in records
-        )
+        records = syncs(run_dir)  # 16 steps: syncs at 3, 6, ..., 15 and 16
+        assert len(records) == 6 and all(r["group_size"] == 3 for r in records)
+        # Under heavy load a download can still fail: the member then leaves that contribution out, and
+        # the next sync's digests show it and it loads the majority's state (CI saw it at step 12).
+        for before, after in zip(records, records[1:], strict=False):
+            assert not before["replicas_left_out"] or after.get("state_reference"), (before, after)
     reference = global_params(peers[0])
     for run_dir in peers[1:]:
         for a, b in zip(reference, global_params(run_dir), strict=True):
@@ -107,30 +110,6 @@ def test_a_killed_peer_costs_the_others_at_most_a_timeout(tmp_path, TINY):
         assert torch.equal(a, b)
 
 
-class LineReader:
-    """Collects a process's stderr lines in the background (so a test can wait for one)."""
-
-    def __init__(self, stream) -> None:
-        import threading
-
-        self.lines: list[str] = []
-        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self.thread.start()
-
-    def _read(self, stream) -> None:
-        for line in iter(stream.readline, ""):
-            self.lines.append(line)
-
-    def wait_for(self, needle: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = next((line for line in list(self.lines) if needle in line), None)
-            if found:
-                return found
-            time.sleep(0.1)
-        raise AssertionError(f"no line with {needle!r} within {timeout} s")
-
-
 def test_a_late_joiner_catches_up_and_another_run_id_never_mixes(tmp_path, TINY):
     overrides = common(tmp_path, TINY, total_tokens=23040)  # 20 syncs; groups of up to 3
     launcher = start_muloco("launch", "--nproc", 2, "--backend", "hivemind", QS, *overrides)
@@ -168,7 +147,7 @@ def test_a_late_joiner_catches_up_and_another_run_id_never_mixes(tmp_path, TINY)
     for p, (_, err) in zip(others, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     joiner_err = outputs[0][1]
-    loaded = [x for x in joiner_err.splitlines() if "loaded the swarm's state" in x]
+    loaded = [x for x in joiner_err.splitlines() if "hivemind: loaded the state of peer=" in x]
     assert loaded and "step=0 " not in loaded[0]  # it started from the swarm's state, mid-run
     groups = [r["group_size"] for r in syncs(tmp_path / "joiner")]
     first_averaged = groups.index(3)  # (a sync it started while still behind the others finds no group)

@@ -4,10 +4,11 @@ swarms: tests/comm/hivemind/, slow.)"""
 
 import torch
 
+from muloco.comm.hivemind.state_sharing import state_digest
 from muloco.config import HivemindBackendConfig, OuterConfig, SyncConfig
 from muloco.replica import Replica
 from muloco.sync import Mean, SyncEngine
-from muloco.sync.swarm import SwarmReducer
+from muloco.sync.swarm import SwarmReducer, _reference
 
 
 class FakeSwarm:
@@ -17,15 +18,21 @@ class FakeSwarm:
 
     def __init__(self, donor_state, others):
         self.donor_state, self.others = donor_state, others  # others: peer id -> published progress
-        self.published, self.shared = [], None
+        self.published, self.shared, self.asked = [], None, []
 
-    def load_state_from_peers(self, timeout):
-        return self.donor_state
+    def load_state_from_peers(self, like, timeout, donors=None, min_progress=0, digests=None):
+        self.asked.append((donors, min_progress))
+        if self.donor_state is None:
+            return None
+        tensors, meta = self.donor_state
+        assert [t.shape for t in tensors] == [t.shape for t in like]
+        return tensors, meta, "donor"
 
-    def share_state(self, get_state):
-        self.shared = get_state
+    def share_state(self, tensors, meta):
+        self.shared = ([t.clone() for t in tensors], dict(meta))
+        return state_digest(tensors)
 
-    def publish_outer_step(self, progress):
+    def publish_outer_step(self, progress, digest=b""):
         self.published.append(progress)
 
     def peer_outer_steps(self):
@@ -68,7 +75,7 @@ def test_a_joiner_loads_the_swarms_state_then_serves_it():
     engine.join([replica], resumed=False)
     assert engine.progress.steps == 6 and engine.progress.fragment_syncs == 3 and replica.inner_steps == 6
     assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in replica.model.parameters())
-    tensors, meta = swarm.shared()
+    tensors, meta = swarm.shared
     assert meta["step"] == 6 and torch.equal(tensors[0], engine.global_params[0])
     assert swarm.published == [3]  # its progress, then it found wait_for_peers=2 peers
 
@@ -78,7 +85,7 @@ def test_a_resumed_peer_or_the_first_keeps_its_own_state():
     swarm.donor_state = swarm_state(engine, 0.5, step=6)
     swarm.others = {"other": 0}
     engine.join([replica], resumed=False)
-    assert engine.progress.steps == 0 and swarm.shared()[1]["step"] == 0
+    assert engine.progress.steps == 0 and swarm.shared[1]["step"] == 0
 
 
 def test_a_peer_behind_catches_up_after_a_sync_but_not_with_a_sync_in_flight():
@@ -94,3 +101,57 @@ def test_a_peer_behind_catches_up_after_a_sync_but_not_with_a_sync_in_flight():
     engine.reducer.after_sync(engine, Mean(None, 0, 0, details={"group_size": 2}), [replica])
     assert engine.progress.steps == 8 and engine.progress.fragment_syncs == 4
     assert all(torch.equal(p, torch.full_like(p, 0.25)) for p in replica.model.parameters())
+
+
+PEERS = [f"Qm{c * 44}" for c in "ABCD"]  # base58 peer ids, ordered A < B < C < D by their bytes
+
+
+def test_the_group_majority_decides_who_reloads_and_from_whom():
+    a, b, c, d = PEERS
+    x, y = b"x" * 16, b"y" * 16
+    assert _reference({a: x, b: x, c: y}, x) is None  # in the majority
+    assert _reference({a: x, b: x, c: y}, y) == (a, x)  # the minority loads the majority's lowest peer
+    assert _reference({a: y, b: x, c: x}, y) == (b, x)  # even when it has the lowest id itself
+    assert _reference({a: x, b: y, c: y, d: x}, y) == (a, x)  # a tie: the digest of the lowest peer id
+    assert _reference({a: x, b: y, c: y, d: x}, x) is None
+    assert _reference({}, x) is None
+
+
+def test_a_peer_whose_state_differs_from_its_groups_loads_the_reference_after_the_sync():
+    engine, replica, swarm = engine_and_replica([])
+    swarm.others = {"other": 0}
+    engine.join([replica], resumed=False)
+    swarm.donor_state = swarm_state(engine, 0.75, step=0)
+    details = {
+        "group_size": 3,
+        "state_digest": "00",
+        "state_reference": PEERS[0],
+        "state_reference_digest": "11",
+    }
+    engine.reducer.after_sync(engine, Mean(None, 0, 0, details=details), [replica])
+    assert swarm.asked[-1][1] == 0 and str(swarm.asked[-1][0][0]) == PEERS[0]  # that peer, this progress
+    assert all(torch.equal(p, torch.full_like(p, 0.75)) for p in replica.model.parameters())
+
+
+class Record:
+    def __init__(self, progress, digest):
+        self.progress, self.digest = progress, digest
+
+
+def test_with_a_robust_rule_one_insiders_claims_do_not_make_a_peer_reload():
+    """tolerate = sync.trim = 1: a progress claim or a state counts only when 2 peers back it."""
+    engine, replica, swarm = engine_and_replica([])
+    engine.reducer.tolerate = 1
+    swarm.others = {"honest": 0}
+    engine.join([replica], resumed=False)
+    swarm.others = {"honest": 0, "insider": 10**6}  # one peer claims to be far ahead
+    swarm.donor_state = swarm_state(engine, 0.25, step=8)
+    engine.reducer.after_sync(engine, Mean(None, 0, 0, details={"group_size": 2}), [replica])
+    assert engine.progress.steps == 0 and not swarm.asked  # not behind: only one peer says so
+    swarm.others = {"honest": 4, "insider": 10**6}  # now two peers are ahead
+    swarm.peer_records = lambda: {"a": Record(4, b"h" * 16), "b": Record(10**6, b"x" * 16)}
+    engine.reducer.after_sync(engine, Mean(None, 0, 0, details={"group_size": 2}), [replica])
+    assert engine.progress.steps == 0 and not swarm.asked  # behind, but no state that 2 peers announce
+    swarm.peer_records = lambda: {"a": Record(4, b"h" * 16), "c": Record(4, b"h" * 16)}
+    engine.reducer.after_sync(engine, Mean(None, 0, 0, details={"group_size": 2}), [replica])
+    assert swarm.asked[-1] == (None, 1) and engine.progress.steps == 8  # the backed state, never older

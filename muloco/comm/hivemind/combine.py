@@ -63,15 +63,28 @@ def mean_in_order(contributions: list[list[torch.Tensor]]) -> list[torch.Tensor]
     return [t.div_(len(contributions)) for t in total]
 
 
-def _metadata_problem(meta, step: int) -> str | None:
+def _metadata_problem(meta, step: int, rule: tuple[str, int]) -> str | None:
     """Why a member's gathered metadata rules it out (before any download), or None."""
     if not isinstance(meta, dict) or not is_int(meta.get("step")):
         return "malformed metadata"
     if meta["step"] != step:
         return f"at outer step {meta['step']}, this peer at {step}"
+    if meta.get("rule") != list(rule):
+        return f"combines by sync.aggregate/trim {meta.get('rule')}, this peer by {list(rule)}"
     token = meta.get("token")
     if token is None:
         return "withheld by its peer (non-finite or unencodable contribution)"
     if not isinstance(token, bytes) or len(token) != 16:
         return "malformed metadata"
     return None
+
+
+def unauthenticated_metadata(auth, fragment: int, peer, meta) -> str | None:
+    """Why a member's gathered metadata fails the swarm's authentication (auth.SwarmAuth), or None. The
+    tag covers the fragment, step, sender, payload token, state digest and combine rule
+    (exchange.FragmentSync)."""
+    if not isinstance(meta, dict) or not (isinstance(meta.get("rule"), list) and len(meta["rule"]) == 2):
+        return "malformed metadata"
+    token, digest = meta.get("token") or b"", meta.get("digest", b"")
+    fields = (fragment, meta.get("step"), peer, token, digest, *meta["rule"])
+    return auth.check(peer, "group metadata", meta.get("tag"), *fields)

@@ -24,15 +24,22 @@ Why not hivemind's all-reduce with our compressors behind its CompressionBase (h
   receiver can drop a contribution whose norm is far above the others'.
 Payloads still travel in hivemind's tensor message, through `MulocoCompression` (a CompressionBase adapter).
 
-Joining: `share_state` serves the global state with hivemind's state sharing (a dedicated averager, prefix
-f"{run_id}_state"); a joiner calls `load_state_from_peers` first (state_sharing.py). `publish_outer_step` /
-`swarm_outer_step` keep the outer steps in the DHT so that a slow peer sees it is behind (progress.py).
+Joining: `share_state` serves the global state over P2P to authenticated peers; a joiner calls
+`load_state_from_peers` first (state_sharing.py). `publish_outer_step` keeps each peer's progress and state
+digest in the DHT so that a slow peer sees it is behind and a joiner finds donors (progress.py).
+
+Membership (auth.py): with backend.hivemind.auth every metadata, payload request, state and progress record
+carries an HMAC tag; a member without the key is excluded from the group's combine on every member alike.
+
+Consistency: each member announces its state digest in its metadata; all members see the same metadata,
+so a member whose digest differs from the group's majority knows it, and loads the state of the majority's
+lowest peer id after the sync (sync/swarm.py).
 
 Leaving: a peer that dies before matchmaking is simply absent; one that dies in the dummy all-reduce makes
 the group retry matchmaking until the group deadline; one that dies during the exchange is dropped when its
-download fails (at most averaging_timeout). Caveat: if it dies while its payload is half downloaded, members
-that got it include it and the others do not: their means differ for that sync (hivemind's own all-reduce
-has the same weakness).
+download fails (at most averaging_timeout). If it dies while its payload is half downloaded, members that
+got it include it and the others do not: their means differ for that sync (hivemind's own all-reduce has
+the same weakness); the digests of the next sync show it and the members realign (see Consistency).
 """
 
 from __future__ import annotations
@@ -49,12 +56,13 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
+from muloco.comm.hivemind.auth import SwarmAuth
 from muloco.comm.hivemind.combine import (
     _metadata_problem,
     contribution_norm,
     contribution_problem,
-    mean_in_order,
     norm_outliers,
+    unauthenticated_metadata,
 )
 from muloco.comm.hivemind.payloads import MulocoCompression, payload_token, wrap_payload
 from muloco.comm.hivemind.settings import HANDLE_SLACK_S, SyncTimeouts
@@ -63,10 +71,12 @@ from muloco.comm.hivemind.transfer import (
     checked_download,
     decode_payloads,
     download_all,
+    download_limit,
     handler_name,
 )
 from muloco.compress import CompressionError
 from muloco.config import HivemindBackendConfig
+from muloco.sync.aggregate import aggregate
 
 log = logging.getLogger("muloco")
 
@@ -81,6 +91,9 @@ class AverageResult:
     averaged: bool  # False: no usable group; mean = own decoded contribution (apply_own) or None (skip)
     excluded_reasons: dict[str, str] = field(default_factory=dict)  # peer id -> reason
     seconds: dict[str, float] = field(default_factory=dict)  # encode, matchmaking, exchange, combine
+    # The state digests the group's members announced (authenticated, at this step; this peer's included):
+    # every member sees the same, so each can tell whether it holds the same model as the others.
+    digests: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def contributors(self) -> int:
@@ -120,6 +133,8 @@ class _Contribution:
     decoded: list[torch.Tensor] | None
     problem: str | None  # why this peer sends nothing (e.g. non-finite values)
     token: bytes = b""
+    rule: tuple[str, int] = ("mean", 1)  # (sync.aggregate, sync.trim): how the group combines
+    digest: bytes = b""  # this peer's global state digest when the sync starts (state_sharing.py)
 
 
 class FragmentSync:
@@ -135,19 +150,22 @@ class FragmentSync:
         timeouts: SyncTimeouts,
         settings: HivemindBackendConfig,
         peer_id: PeerID,
+        auth: SwarmAuth,
         averager: DecentralizedAverager,
         payloads: PayloadServer,
         runtime,  # lifecycle.SwarmRuntime: its executor runs the syncs, its loop and p2p the downloads
     ) -> None:
         self.fragment, self.shapes, self.codecs, self.timeouts = fragment, shapes, codecs, timeouts
-        self.settings, self.peer_id, self.averager = settings, peer_id, averager
+        self.settings, self.peer_id, self.averager, self.auth = settings, peer_id, averager, auth
         self.payloads, self.runtime = payloads, runtime
         self.pending: concurrent.futures.Future | None = None
 
     def busy(self) -> bool:
         return self.pending is not None and not self.pending.done()
 
-    def start(self, tensors: list[torch.Tensor], step: int) -> AveragingHandle:
+    def start(
+        self, tensors: list[torch.Tensor], step: int, rule: tuple[str, int], digest: bytes
+    ) -> AveragingHandle:
         """Step 1 (encode) now, so the caller may reuse the tensors; the rest in the executor."""
         if len(tensors) != len(self.shapes) or any(
             t.shape != s for t, s in zip(tensors, self.shapes, strict=False)
@@ -163,10 +181,14 @@ class FragmentSync:
             own = _Contribution(int(step), None, None, f"withheld by its peer: {exc}")
         else:
             own = self.own_contribution(int(step), messages)
+        own.rule, own.digest = rule, digest
         return self.launch(own, time.perf_counter() - t0)
 
-    def start_encoded(self, payloads: list[bytes], step: int) -> AveragingHandle:
+    def start_encoded(
+        self, payloads: list[bytes], step: int, rule: tuple[str, int], digest: bytes
+    ) -> AveragingHandle:
         own = self.own_contribution(int(step), [wrap_payload(p) for p in payloads])
+        own.rule, own.digest = rule, digest
         return self.launch(own, 0.0)
 
     def own_contribution(self, step: int, messages: list[runtime_pb2.Tensor]) -> _Contribution:
@@ -207,13 +229,17 @@ class FragmentSync:
         if own.messages is not None:
             self.payloads.owe(own.token, len(members) - 1, self.timeouts.averaging_timeout)
         t1 = time.perf_counter()
-        tokens, reasons = self._tokens_to_fetch(own, members)
+        tokens, reasons, digests = self._tokens_to_fetch(own, members)
+        requests = {
+            p: t + self.auth.tag("payload request", fragment, self.peer_id, t) for p, t in tokens.items()
+        }
         downloads = download_all(
             self.runtime.loop,
             self.runtime.p2p,
             handler_name(self.settings.run_id, fragment),
             tokens,
-            limit=self.timeouts.sync_bytes + 64 * 1024,  # more than our payloads take: a bad peer
+            requests=requests,
+            limit=download_limit(self.timeouts.sync_bytes, len(self.shapes)),
             timeout=self.timeouts.averaging_timeout,
         )
         seconds["exchange"] = time.perf_counter() - t1
@@ -227,14 +253,14 @@ class FragmentSync:
             log.warning(
                 "hivemind excluded peer=%s fragment=%d step=%d reason=%s", peer, fragment, own.step, why
             )
-        mean = (
-            mean_in_order([contributions[p] for p in used]) if any(p != self.peer_id for p in used) else None
-        )
+        others = any(p != self.peer_id for p in used)
+        mean = aggregate([contributions[p] for p in used], *own.rule) if others else None
         seconds["combine"] = time.perf_counter() - t2
         if mean is None or contribution_problem(mean, self.shapes) is not None:
             # Nobody else's contribution is usable, or finite inputs overflowed: as if there were no group.
             result = self._no_group(own, seconds, own_excluded=str(self.peer_id) in reasons)
             result.group_size, result.excluded, result.excluded_reasons = len(members), len(reasons), reasons
+            result.digests = digests
             return result
         log.info(
             "hivemind sync fragment=%d step=%d group=%d used=%d excluded=%d matchmaking_s=%.2f "
@@ -242,7 +268,7 @@ class FragmentSync:
             *(fragment, own.step, len(members), len(used), len(reasons)),
             *(seconds["matchmaking"], seconds["exchange"], seconds["combine"]),
         )
-        return AverageResult(mean, len(members), len(reasons), True, reasons, seconds)
+        return AverageResult(mean, len(members), len(reasons), True, reasons, seconds, digests)
 
     def _find_group(self, own: _Contribution) -> dict[PeerID, dict] | None:
         """hivemind matchmaking: the group's members and their metadata, or None (no group in time).
@@ -253,7 +279,11 @@ class FragmentSync:
         if not self.averager.is_alive():
             log.error("hivemind averager of fragment %d is not running: no group", self.fragment)
             return None
-        meta = {"step": own.step, "token": own.token if own.messages is not None else None}
+        token = own.token if own.messages is not None else None
+        rule = [own.rule[0], int(own.rule[1])]
+        fields = (self.fragment, own.step, self.peer_id, token or b"", own.digest, *rule)
+        tag = self.auth.tag("group metadata", *fields)
+        meta = {"step": own.step, "token": token, "digest": own.digest, "rule": rule, "tag": tag}
         control = None
         try:
             control = self.averager.step(
@@ -279,19 +309,26 @@ class FragmentSync:
 
     def _tokens_to_fetch(
         self, own: _Contribution, members: dict[PeerID, dict]
-    ) -> tuple[dict[PeerID, bytes], dict[str, str]]:
-        """The other members' payload tokens; a member at another outer step or with malformed metadata
-        is excluded without a download."""
-        tokens, reasons = {}, {}
+    ) -> tuple[dict[PeerID, bytes], dict[str, str], dict[str, bytes]]:
+        """The other members' payload tokens, and the state digests of the members at this step; a member
+        without the swarm key, at another outer step or with malformed metadata is excluded without a
+        download (every member decides alike: they all gathered the same metadata)."""
+        tokens, reasons, digests = {}, {}, {str(self.peer_id): own.digest}
         for peer, meta in members.items():
             if peer == self.peer_id:
                 continue
-            problem = _metadata_problem(meta, own.step)
+            problem = unauthenticated_metadata(self.auth, self.fragment, peer, meta)
+            problem = problem or _metadata_problem(meta, own.step, own.rule)
+            if problem is not None and not problem.startswith("withheld"):
+                reasons[str(peer)] = problem
+                continue
+            if isinstance(meta.get("digest"), bytes):
+                digests[str(peer)] = meta["digest"]
             if problem is None:
                 tokens[peer] = meta["token"]
             else:
                 reasons[str(peer)] = problem
-        return tokens, reasons
+        return tokens, reasons, digests
 
     def _contributions(
         self,

@@ -1,5 +1,5 @@
-"""What a swarm runs on, started and stopped: hivemind's DHT, one averager per fragment and the state server
-(forked processes), hivemind's P2P with this peer's payload handlers, an asyncio loop thread and the sync
+"""What a swarm runs on, started and stopped: hivemind's DHT and one averager per fragment (forked
+processes), hivemind's P2P with this peer's payload and state handlers, an asyncio loop thread and the sync
 executor."""
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
+from muloco.comm.hivemind import matchmaking
+from muloco.comm.hivemind.auth import SwarmAuth
+from muloco.comm.hivemind.combine import unauthenticated_metadata
+from muloco.comm.hivemind.progress import ProgressValidator
 from muloco.comm.hivemind.settings import DHT_OP_TIMEOUT_S, SyncTimeouts
-from muloco.comm.hivemind.state_sharing import _StateServer
 from muloco.config import HivemindBackendConfig
 from muloco.errors import ConfigError
 
@@ -72,7 +75,6 @@ class SwarmRuntime:
     def __init__(self) -> None:
         self.dht: hivemind.DHT | None = None
         self.averagers: list[DecentralizedAverager] = []  # one per fragment: matchmaking + metadata
-        self.state_server: _StateServer | None = None
         self.loop: _EventLoopThread | None = None
         self.executor: concurrent.futures.ThreadPoolExecutor | None = None  # runs the syncs
         self.p2p = None  # this process's replica of the DHT's P2P daemon: payload streams
@@ -85,28 +87,19 @@ class SwarmRuntime:
         settings: HivemindBackendConfig,
         timeouts: list[SyncTimeouts],
         handlers: dict[str, Callable],
+        auth: SwarmAuth,
     ) -> None:
         """Start everything; timeouts[p] is fragment p's, handlers map a P2P handler name to its (async,
         streaming) function. Call from the main thread (hivemind installs signal handlers)."""
         # Processes first (hivemind forks them), threads after: forking a process with threads is unsafe.
-        self.dht = _start_dht(settings)
+        self.dht = _start_dht(settings, auth)
         self.peer_id = self.dht.peer_id
         # hivemind's averager sets SIGINT to "ignore" in *this* process before it forks (so that its child
         # ignores Ctrl-C); put the caller's handler back so that Ctrl-C still interrupts training.
         sigint = signal.getsignal(signal.SIGINT)
         try:
             for p, t in enumerate(timeouts):
-                self.averagers.append(_start_averager(self.dht, settings, p, t))
-            self.state_server = _StateServer(
-                [torch.zeros(1)],
-                self.dht,
-                start=True,
-                prefix=f"{settings.run_id}_state",
-                min_matchmaking_time=timeouts[0].matchmaking_time,
-                request_timeout=timeouts[0].request_timeout,
-                allow_state_sharing=False,
-                shutdown_timeout=2,
-            )
+                self.averagers.append(_start_averager(self.dht, settings, p, t, auth))
         finally:
             signal.signal(signal.SIGINT, sigint)
         self.loop = _EventLoopThread()
@@ -134,16 +127,17 @@ class SwarmRuntime:
             except Exception as exc:  # the daemon may already be gone
                 log.debug("hivemind: P2P replica shutdown: %s", exc)
             self.loop.stop()
-        for averager in [*self.averagers, self.state_server]:
-            if averager is not None and averager.is_alive():
+        for averager in self.averagers:
+            if averager.is_alive():
                 averager.shutdown()  # joins for shutdown_timeout, then terminates
         if self.dht is not None:
             self.dht.shutdown()  # joins for its shutdown_timeout, then terminates
 
 
-def _start_dht(s: HivemindBackendConfig) -> hivemind.DHT:
+def _start_dht(s: HivemindBackendConfig, auth: SwarmAuth) -> hivemind.DHT:
     try:
         return hivemind.DHT(
+            record_validators=[ProgressValidator(auth, s.run_id, s.outer_step_ttl)],
             initial_peers=s.initial_peers,
             start=True,
             host_maddrs=s.host_maddrs,
@@ -160,12 +154,12 @@ def _start_dht(s: HivemindBackendConfig) -> hivemind.DHT:
 
 
 def _start_averager(
-    dht: hivemind.DHT, s: HivemindBackendConfig, fragment: int, t: SyncTimeouts
+    dht: hivemind.DHT, s: HivemindBackendConfig, fragment: int, t: SyncTimeouts, auth: SwarmAuth
 ) -> DecentralizedAverager:
-    return DecentralizedAverager(
+    averager = DecentralizedAverager(
         [torch.zeros(1)],  # a dummy: the averager only forms groups and gathers metadata
         dht,
-        start=True,
+        start=False,
         prefix=f"{s.run_id}_fragment{fragment}",
         min_matchmaking_time=t.matchmaking_time,
         request_timeout=t.request_timeout,
@@ -176,3 +170,13 @@ def _start_averager(
         allow_state_sharing=False,
         shutdown_timeout=2,
     )
+    if auth.enabled or auth.allowed is not None:
+        matchmaking.install()
+
+        def admit(peer, data_for_gather: bytes) -> bool:
+            meta = matchmaking.user_metadata(data_for_gather)
+            return unauthenticated_metadata(auth, fragment, peer, meta) is None
+
+        averager.matchmaking_kwargs["admit"] = admit
+    averager.run_in_background(await_ready=True)
+    return averager

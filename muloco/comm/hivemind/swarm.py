@@ -8,21 +8,22 @@ peers' outer steps in the DHT.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from functools import partial
 
 import torch
 from hivemind.p2p import PeerID
 
-from muloco.comm.hivemind import state_sharing
+from muloco.comm.hivemind.auth import SwarmAuth
 from muloco.comm.hivemind.exchange import AveragingHandle, FragmentSync
 from muloco.comm.hivemind.lifecycle import SwarmRuntime, require_fork_start_method
 from muloco.comm.hivemind.payloads import _adapters
-from muloco.comm.hivemind.progress import ProgressRecords
+from muloco.comm.hivemind.progress import ProgressRecord, ProgressRecords
 from muloco.comm.hivemind.settings import derive_timeouts, is_loopback
+from muloco.comm.hivemind.state_sharing import StateServer, load_state, state_handler
 from muloco.comm.hivemind.transfer import PayloadServer, handler_name
 from muloco.compress import Compressor
 from muloco.config import HivemindBackendConfig
+from muloco.errors import ConfigError
 
 log = logging.getLogger("muloco")
 
@@ -61,18 +62,28 @@ class HivemindSwarm:
             )
             for codecs, shapes in zip(self.codecs, self.shapes, strict=True)
         ]
-        self.payloads = PayloadServer(len(self.shapes))
+        self.auth = SwarmAuth.from_settings(settings)  # ConfigError before anything starts
+        self.payloads = PayloadServer(len(self.shapes), self.auth)
         self.runtime = SwarmRuntime()
         self._closed = False
+        self.state_server: StateServer | None = None
         handlers = {
             handler_name(settings.run_id, p): partial(self.payloads.serve, p) for p in range(len(self.shapes))
         }
+        handlers[state_handler(settings.run_id)] = self._serve_state
         try:
-            self.runtime.start(settings, self.timeouts, handlers)
+            self.runtime.start(settings, self.timeouts, handlers, self.auth)
+            self.peer_id: PeerID = self.runtime.peer_id
+            allowed = self.auth.allowed
+            if allowed is not None and str(self.peer_id) not in allowed:
+                raise ConfigError(
+                    f"backend.hivemind.auth.allowed_peers does not list this peer's own id {self.peer_id} "
+                    f"(from identity_path {settings.identity_path}); add it"
+                )
         except BaseException:
             self.close()  # stops whatever had started: no orphan DHT, averager or p2p daemon
             raise
-        self.peer_id: PeerID = self.runtime.peer_id
+        self.state_server = StateServer(self.auth, self.peer_id)
         self.visible_maddrs: list[str] = self.runtime.visible_maddrs
         self.fragments = [
             FragmentSync(
@@ -82,6 +93,7 @@ class HivemindSwarm:
                 timeouts=self.timeouts[p],
                 settings=settings,
                 peer_id=self.peer_id,
+                auth=self.auth,
                 averager=self.runtime.averagers[p],
                 payloads=self.payloads,
                 runtime=self.runtime,
@@ -89,7 +101,7 @@ class HivemindSwarm:
             for p in range(len(self.shapes))
         ]
         self.progress = ProgressRecords(
-            self.runtime.dht, self.peer_id, settings.run_id, settings.outer_step_ttl
+            self.runtime.dht, self.peer_id, settings.run_id, settings.outer_step_ttl, self.auth
         )
         log.info(
             "hivemind swarm run_id=%s peer=%s: other peers join with backend.hivemind.initial_peers=%s",
@@ -110,19 +122,35 @@ class HivemindSwarm:
 
     # ---- a sync (exchange.py) -------------------------------------------------------------------------
 
-    def start_average(self, fragment: int, tensors: list[torch.Tensor], step: int) -> AveragingHandle:
+    def start_average(
+        self,
+        fragment: int,
+        tensors: list[torch.Tensor],
+        step: int,
+        rule: tuple[str, int] = ("mean", 1),
+        digest: bytes = b"",
+    ) -> AveragingHandle:
         """Start averaging `tensors` (fragment `fragment`, outer step `step`) with the peers present.
 
         Encodes now (the caller may reuse the tensors), the rest runs in the background. Every peer calls
         this once per fragment per outer step; a peer at another step is not averaged with. A tensor with
-        non-finite values is not sent: this peer then only receives the others' mean.
+        non-finite values is not sent: this peer then only receives the others' mean. rule: (sync.aggregate,
+        sync.trim), how the group's contributions are combined (muloco.sync.aggregate); every member must
+        use the same. digest: this peer's state digest (`share_state`'s), announced to the group.
         """
-        return self._fragment(fragment).start(tensors, step)
+        return self._fragment(fragment).start(tensors, step, rule, digest)
 
-    def start_average_encoded(self, fragment: int, payloads: list[bytes], step: int) -> AveragingHandle:
+    def start_average_encoded(
+        self,
+        fragment: int,
+        payloads: list[bytes],
+        step: int,
+        rule: tuple[str, int] = ("mean", 1),
+        digest: bytes = b"",
+    ) -> AveragingHandle:
         """As start_average, for payloads already encoded with this swarm's compressors (e.g. by a
         PseudogradientCodec with error feedback: `muloco.sync.codec.unpack(codec.encode(delta, ef))`)."""
-        return self._fragment(fragment).start_encoded(payloads, step)
+        return self._fragment(fragment).start_encoded(payloads, step, rule, digest)
 
     def _fragment(self, fragment: int) -> FragmentSync:
         if self._closed:
@@ -135,17 +163,47 @@ class HivemindSwarm:
 
     # ---- joining (state_sharing.py), outer steps (progress.py) ----------------------------------------
 
-    def share_state(self, get_state: Callable[[], tuple[list[torch.Tensor], dict]]) -> None:
-        """Serve this peer's state to joiners from now on (see `state_sharing.share_state`)."""
-        state_sharing.share_state(self.runtime.state_server, get_state)
+    def share_state(self, tensors: list[torch.Tensor], meta: dict[str, int]) -> bytes:
+        """Serve copies of this state (global parameters + outer momentum, and the counters step,
+        outer_steps, fragment_syncs) to authenticated peers from now on; returns its digest."""
+        return self.state_server.offer(tensors, meta)
 
-    def load_state_from_peers(self, timeout: float) -> tuple[list[torch.Tensor], dict] | None:
-        """A joiner's first act: (tensors, metadata) from a peer, or None (see state_sharing.py)."""
-        return state_sharing.load_state_from_peers(self.runtime.state_server, timeout)
+    async def _serve_state(self, request, context):
+        if self.state_server is not None:  # None only while the swarm starts
+            async for reply in self.state_server.serve(request, context):
+                yield reply
 
-    def publish_outer_step(self, outer_step: int) -> None:
-        """Record this peer's outer step in the DHT (expires after outer_step_ttl without a newer one)."""
-        self.progress.publish(outer_step)
+    def load_state_from_peers(
+        self,
+        like: list[torch.Tensor],
+        timeout: float,
+        donors: list[PeerID] | None = None,
+        min_progress: int = 0,
+        digests: set[bytes] | None = None,
+    ) -> tuple[list[torch.Tensor], dict[str, int], PeerID] | None:
+        """(tensors, counters, donor) from the first donor whose state checks out (state_sharing.py), or
+        None. donors: by default the peers with progress records, furthest ahead first. like: this peer's
+        own state tensors (the shapes to expect); min_progress, digests: which states qualify."""
+        if donors is None:
+            records = self.progress.records()
+            ahead = sorted(records, key=lambda p: (-records[p].progress, p.to_bytes()))
+            donors = [p for p in ahead if p != self.peer_id]
+        if not donors:
+            log.info("hivemind: no peer to load the state from (a new swarm?)")
+            return None
+        name = state_handler(self.settings.run_id)
+        loop, p2p = self.runtime.loop, self.runtime.p2p
+        return load_state(
+            loop, p2p, name, self.auth, self.peer_id, donors, like, timeout, min_progress, digests
+        )
+
+    def publish_outer_step(self, outer_step: int, digest: bytes = b"") -> None:
+        """Record this peer's progress and state digest in the DHT (expires after outer_step_ttl)."""
+        self.progress.publish(outer_step, digest)
+
+    def peer_records(self) -> dict[PeerID, ProgressRecord]:
+        """Every live peer's authenticated progress record (progress.py)."""
+        return self.progress.records()
 
     def peer_outer_steps(self) -> dict[str, int]:
         """Peer id -> the outer step it published, for every live peer (this one included, once it

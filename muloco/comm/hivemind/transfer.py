@@ -17,6 +17,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from muloco.comm.hivemind.auth import SwarmAuth
 from muloco.comm.hivemind.combine import contribution_problem
 from muloco.comm.hivemind.payloads import MulocoCompression, payload_token
 from muloco.comm.hivemind.settings import HANDLE_SLACK_S
@@ -29,6 +30,8 @@ SERVED_SYNCS = 2  # payloads kept per fragment: a fast peer may start its next s
 # A download counts as served once the handler has handed its last chunk to the p2p daemon, before the peer
 # has it: close() waits this much longer before shutting the daemon down.
 DELIVERY_GRACE_S = 0.5
+TOKEN_BYTES = 16  # payloads.payload_token
+MESSAGE_OVERHEAD = 64  # bytes counted per streamed message on top of its payload (a bound on the count)
 
 
 def handler_name(run_id: str, fragment: int) -> str:
@@ -41,7 +44,8 @@ class PayloadServer:
     that its recent groups still owe. `serve` runs on the P2P loop; the rest is called from the syncs and
     from close(), so every access holds `lock`."""
 
-    def __init__(self, fragments: int) -> None:
+    def __init__(self, fragments: int, auth: SwarmAuth) -> None:
+        self.auth = auth
         self.lock = threading.Lock()
         self.served: list[OrderedDict[bytes, list[runtime_pb2.Tensor]]] = [
             OrderedDict() for _ in range(fragments)
@@ -68,16 +72,21 @@ class PayloadServer:
     async def serve(
         self, fragment: int, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """P2P handler: stream the payloads whose token the requester names (request.metadata)."""
+        """P2P handler: stream the payloads whose token the requester names (request.metadata: the token,
+        then the requester's tag over it), to an authenticated requester only."""
+        token, tag = bytes(request.metadata[:TOKEN_BYTES]), bytes(request.metadata[TOKEN_BYTES:])
+        requester = context.remote_id
+        if self.auth.check(requester, "payload request", tag, fragment, requester, token) is not None:
+            return
         with self.lock:
-            messages = self.served[fragment].get(bytes(request.metadata))
+            messages = self.served[fragment].get(token)
         if messages is None:
             return  # an empty stream: the requester records "payload unavailable"
         for message in messages:
             for part in split_for_streaming(message, CHUNK_BYTES):
                 yield averaging_pb2.DownloadData(tensor_part=part)
         with self.lock:
-            owed = self.owed.get(bytes(request.metadata))
+            owed = self.owed.get(token)
             if owed is not None:
                 owed[0] -= 1
 
@@ -103,15 +112,15 @@ class PayloadServer:
             )
 
 
-async def _download(p2p, name: str, peer: PeerID, token: bytes, limit: int) -> list[runtime_pb2.Tensor]:
+async def _download(p2p, name: str, peer: PeerID, request: bytes, limit: int) -> list[runtime_pb2.Tensor]:
     """One member's payloads; a stream of more than `limit` bytes is cut off (a bad peer)."""
     stream = await p2p.iterate_protobuf_handler(
-        peer, name, averaging_pb2.DownloadData(metadata=token), averaging_pb2.DownloadData
+        peer, name, averaging_pb2.DownloadData(metadata=request), averaging_pb2.DownloadData
     )
     messages, parts, received = [], [], 0
     async for reply in stream:
         part = reply.tensor_part
-        received += len(part.buffer)
+        received += len(part.buffer) + MESSAGE_OVERHEAD  # a stream of empty messages must also end
         if received > limit:
             raise CompressionError(f"sent more than the {limit} bytes this fragment's payloads take")
         if part.dtype and parts:  # a set dtype starts the next tensor (hivemind's streaming convention)
@@ -123,15 +132,30 @@ async def _download(p2p, name: str, peer: PeerID, token: bytes, limit: int) -> l
     return messages
 
 
+def download_limit(sync_bytes: int, tensors: int) -> int:
+    """The most a member's payloads of a fragment may take on the wire, with every message's overhead
+    counted: more than ours take (64 KiB of slack), so a member sending more is a bad peer."""
+    messages = tensors + sync_bytes // CHUNK_BYTES + 1
+    return sync_bytes + 64 * 1024 + MESSAGE_OVERHEAD * messages
+
+
 def download_all(
-    loop, p2p, name: str, tokens: dict[PeerID, bytes], *, limit: int, timeout: float
+    loop,
+    p2p,
+    name: str,
+    tokens: dict[PeerID, bytes],
+    *,
+    requests: dict[PeerID, bytes],
+    limit: int,
+    timeout: float,
 ) -> dict[PeerID, list[runtime_pb2.Tensor] | str]:
     """Every member's payloads from handler `name`, concurrently on `loop` (lifecycle._EventLoopThread),
-    each within `timeout`; failures as reasons. Blocks at most timeout + HANDLE_SLACK_S."""
+    each within `timeout`; requests[peer] is what to ask it (the token and this peer's tag). Failures as
+    reasons. Blocks at most timeout + HANDLE_SLACK_S."""
 
     async def one(peer: PeerID, token: bytes):
         try:
-            return await asyncio.wait_for(_download(p2p, name, peer, token, limit), timeout)
+            return await asyncio.wait_for(_download(p2p, name, peer, requests[peer], limit), timeout)
         except asyncio.TimeoutError:
             return f"download timed out after {timeout:.1f} s"
         except Exception as exc:  # the peer left, refused, or streamed garbage

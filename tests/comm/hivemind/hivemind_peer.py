@@ -7,8 +7,8 @@ fd 1 is pointed at stderr so that library output cannot corrupt the protocol). C
      "compression": null | {"scheme": "statistical", "bits": 4}}  -> {"visible_maddrs", "peer_id", "timeouts"}
     {"cmd": "average", "step": 3, "tensors": [[...], ...], "tamper": null | "nan_payload" | ...}
                                                                   -> AverageResult as JSON, plus "elapsed_s"
-    {"cmd": "share_state", "tensors": [...], "meta": {...}}      -> {}
-    {"cmd": "load_state", "timeout": 10}                         -> {"tensors": [...], "meta": {...}} | null
+    {"cmd": "share_state", "tensors": [...], "meta": {...counters}} -> {"digest"}
+    {"cmd": "load_state", "like": [...], "timeout": 10} -> {"tensors", "meta", "donor"} | null
     {"cmd": "publish_outer_step", "step": 4} / {"cmd": "swarm_outer_step"} -> {"step", "peers"}
     {"cmd": "close"} / {"cmd": "exit"}
 
@@ -107,13 +107,14 @@ class Peer:
         }
 
     def share_state(self, tensors: list, meta: dict) -> dict:
-        state = ([torch.tensor(v, dtype=torch.float32) for v in tensors], meta)
-        self.swarm.share_state(lambda: state)
-        return {}
+        digest = self.swarm.share_state([torch.tensor(v, dtype=torch.float32) for v in tensors], meta)
+        return {"digest": digest.hex()}
 
-    def load_state(self, timeout: float) -> dict | None:
-        got = self.swarm.load_state_from_peers(timeout)
-        return None if got is None else {"tensors": [t.tolist() for t in got[0]], "meta": got[1]}
+    def load_state(self, like: list, timeout: float) -> dict | None:
+        got = self.swarm.load_state_from_peers([torch.tensor(v, dtype=torch.float32) for v in like], timeout)
+        if got is None:
+            return None
+        return {"tensors": [t.tolist() for t in got[0]], "meta": got[1], "donor": str(got[2])}
 
     def publish_outer_step(self, step: int) -> dict:
         self.swarm.publish_outer_step(step)

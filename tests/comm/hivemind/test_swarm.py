@@ -22,6 +22,8 @@ import torch
 
 pytest.importorskip("hivemind")
 
+from hivemind.p2p import PeerID  # noqa: E402
+
 from muloco.compress import get_compressor  # noqa: E402
 
 PEER_SCRIPT = Path(__file__).with_name("hivemind_peer.py")
@@ -239,14 +241,16 @@ def test_a_late_joiner_loads_the_state_then_averages_with_the_others(trio, spawn
     opened = open_swarm(trio, run_id)
     try:
         state = as_lists(contribution(42)) + as_lists(contribution(43))  # global params + outer momentum
-        meta = {"outer_step": 5, "outer_lr": 0.7}
+        meta = {"step": 10, "outer_steps": 5, "fragment_syncs": 5}
         for p in trio:
             p.call(cmd="share_state", tensors=state, meta=meta)
             p.call(cmd="publish_outer_step", step=5)
         open_swarm([joiner], run_id, initial=opened["visible_maddrs"])
-        loaded = joiner.call(cmd="load_state", timeout=20)
+        loaded = joiner.call(cmd="load_state", like=state, timeout=20)
         assert loaded is not None, "the joiner found no state"
         assert loaded["meta"] == meta and loaded["tensors"] == state  # exact: the state travels as fp32
+        first = min((p.peer_id for p in trio), key=lambda i: PeerID.from_base58(i).to_bytes())
+        assert loaded["donor"] == first  # all at step 5: the lowest peer id first
         swarm_steps = joiner.call(cmd="swarm_outer_step")
         assert swarm_steps == {"step": 5, "peers": {p.peer_id: 5 for p in trio}}
 

@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("hivemind")
 
+from muloco.comm.hivemind.auth import SwarmAuth  # noqa: E402
 from muloco.comm.hivemind.transfer import PayloadServer  # noqa: E402
 
 
@@ -15,7 +16,7 @@ def test_a_closing_peer_serves_what_its_last_group_still_downloads():
     """Found on the emulated WAN: a fast peer that ended its run cut the last sync's downloads of slower
     members short (they excluded its payload). close() now waits for the owed downloads, up to their
     averaging timeout."""
-    server = PayloadServer(fragments=1)  # what HivemindSwarm.close() drains before it stops
+    server = PayloadServer(1, SwarmAuth("run"))  # what HivemindSwarm.close() drains before it stops
     now = time.monotonic()
     server.owed = {b"served": [2, now + 30.0], b"expired": [1, now - 1.0]}
 
