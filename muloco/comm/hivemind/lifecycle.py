@@ -21,7 +21,7 @@ from hivemind.proto import averaging_pb2
 from muloco.comm.hivemind import matchmaking
 from muloco.comm.hivemind.auth import SwarmAuth
 from muloco.comm.hivemind.combine import unauthenticated_metadata
-from muloco.comm.hivemind.progress import ProgressValidator
+from muloco.comm.hivemind.progress import SwarmRecordValidator
 from muloco.comm.hivemind.settings import DHT_OP_TIMEOUT_S, SyncTimeouts
 from muloco.config import HivemindBackendConfig
 from muloco.errors import ConfigError
@@ -137,7 +137,7 @@ class SwarmRuntime:
 def _start_dht(s: HivemindBackendConfig, auth: SwarmAuth) -> hivemind.DHT:
     try:
         return hivemind.DHT(
-            record_validators=[ProgressValidator(auth, s.run_id, s.outer_step_ttl)],
+            record_validators=[SwarmRecordValidator(auth, s.run_id, s.outer_step_ttl)],
             initial_peers=s.initial_peers,
             start=True,
             host_maddrs=s.host_maddrs,

@@ -5,11 +5,12 @@ One DHT key per run (f"{run_id}_outer_step") with one subkey per peer (its peer 
 [progress, digest, tag], the tag the HMAC of both, the peer id and the record's expiration (auth.py); a
 record expires outer_step_ttl seconds after it was published, so a peer that left drops out. Records that
 are malformed or fail the tag are ignored (and logged once per peer), by the readers and by the DHT nodes
-themselves (`ProgressValidator`).
+themselves (`SwarmRecordValidator`, which with a key also tags every other record of the DHT).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from muloco.comm.hivemind.settings import DHT_OP_TIMEOUT_S, is_int
 log = logging.getLogger("muloco")
 
 DIGEST_BYTES = 16
+TAG_BYTES = 32  # HMAC-SHA256
 MAX_PROGRESS = 1 << 62  # far beyond any run; a larger claim is malformed
 EXPIRATION_SLACK_S = 3600.0  # clock skew between peers; replays are stopped by the tag, not by this
 
@@ -54,28 +56,56 @@ def record_problem(auth: SwarmAuth, peer: PeerID, value: object, expiration: flo
     return auth.check(peer, "progress", value[2], peer, value[0], value[1], float(expiration))
 
 
-class ProgressValidator(RecordValidatorBase):
-    """The DHT's own check of this run's progress records, on every store another node asks of this one and
-    every record it finds: a record must be well formed, carry a valid tag (with a key; the tag covers the
-    expiration, so an old record cannot be replayed with a new one) and expire within ttl + slack of now.
-    Without it, anyone could store a record that expires in 10^300 s under a peer's subkey, and hide that
-    peer's real records (the DHT keeps a subkey's latest-expiring value)."""
+class SwarmRecordValidator(RecordValidatorBase):
+    """The DHT's own check of every record another node asks this one to store, and of every record it
+    finds. With the swarm key, each record's value carries a tag over (key, subkey, value, expiration),
+    appended when a key holder stores it and stripped before hivemind reads it: a peer without the key can
+    neither declare itself for matchmaking nor publish progress, and an old record cannot be replayed with
+    a new expiration. This run's progress records must also be well formed (record_problem) and expire
+    within ttl + slack of now, with or without a key: otherwise anyone could store one that expires in
+    10^300 s under a peer's subkey and hide that peer's real records (the DHT keeps a subkey's
+    latest-expiring value)."""
 
     def __init__(self, auth: SwarmAuth, run_id: str, ttl: float) -> None:
         self.auth, self.ttl = auth, ttl
         self.key_id = DHTID.generate(source=progress_key(run_id)).to_bytes()
 
+    def _tag(self, record: DHTRecord, value: bytes) -> bytes:
+        return self.auth.tag("dht record", record.key, record.subkey, value, float(record.expiration_time))
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return record.value + self._tag(record, record.value) if self.auth.enabled else record.value
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return record.value[:-TAG_BYTES] if self.auth.enabled else record.value
+
     def validate(self, record: DHTRecord) -> bool:
+        value = record.value
+        if self.auth.enabled:
+            value, tag = value[:-TAG_BYTES], value[-TAG_BYTES:]
+            if len(tag) != TAG_BYTES or not hmac.compare_digest(tag, self._tag(record, value)):
+                self.auth.reject(
+                    _sender(record.subkey), "DHT record", "not authenticated (no or another swarm key)"
+                )
+                return False
         if record.key != self.key_id:
-            return True  # another key: hivemind's own records (matchmaking, ...)
+            return True  # hivemind's own records (matchmaking): the tag is all we check
         if record.expiration_time > get_dht_time() + self.ttl + EXPIRATION_SLACK_S:
             return False
         try:
             peer = PeerID(MSGPackSerializer.loads(record.subkey))
-            value = MSGPackSerializer.loads(record.value)
+            progress = MSGPackSerializer.loads(value)
         except Exception:
             return False
-        return record_problem(self.auth, peer, value, record.expiration_time) is None
+        return record_problem(self.auth, peer, progress, record.expiration_time) is None
+
+
+def _sender(subkey: bytes) -> object:
+    """Who a rejected DHT record names as its subkey (a peer id for progress and matchmaking records)."""
+    try:
+        return PeerID(MSGPackSerializer.loads(subkey))
+    except Exception:
+        return "an unknown peer"
 
 
 class ProgressRecords:

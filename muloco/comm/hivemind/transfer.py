@@ -31,6 +31,7 @@ SERVED_SYNCS = 2  # payloads kept per fragment: a fast peer may start its next s
 # has it: close() waits this much longer before shutting the daemon down.
 DELIVERY_GRACE_S = 0.5
 TOKEN_BYTES = 16  # payloads.payload_token
+DOWNLOAD_ATTEMPTS = 3  # per member and sync, within its averaging_timeout
 MESSAGE_OVERHEAD = 64  # bytes counted per streamed message on top of its payload (a bound on the count)
 
 
@@ -153,9 +154,23 @@ def download_all(
     each within `timeout`; requests[peer] is what to ask it (the token and this peer's tag). Failures as
     reasons. Blocks at most timeout + HANDLE_SLACK_S."""
 
+    async def attempts(peer: PeerID, token: bytes):
+        # A download whose bytes do not hash to the announced token is asked for again: under load some
+        # arrived altered (seen on 2 busy cores), and a member that drops a contribution the others keep
+        # leaves the group's models apart until the next sync's digests realign it.
+        for attempt in range(DOWNLOAD_ATTEMPTS):
+            got = await _download(p2p, name, peer, requests[peer], limit)
+            if not got or payload_token(got) == token:
+                return got
+            log.warning(
+                "hivemind: payloads from peer=%s do not match its token (%d messages, %d bytes; attempt %d)",
+                *(peer, len(got), sum(len(m.buffer) for m in got), attempt + 1),
+            )
+        return got
+
     async def one(peer: PeerID, token: bytes):
         try:
-            return await asyncio.wait_for(_download(p2p, name, peer, requests[peer], limit), timeout)
+            return await asyncio.wait_for(attempts(peer, token), timeout)
         except asyncio.TimeoutError:
             return f"download timed out after {timeout:.1f} s"
         except Exception as exc:  # the peer left, refused, or streamed garbage

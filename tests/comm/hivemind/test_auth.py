@@ -21,7 +21,7 @@ from test_helpers import run_muloco  # noqa: E402
 
 from muloco.comm.hivemind.auth import SwarmAuth, read_key, write_key  # noqa: E402
 from muloco.comm.hivemind.exchange import FragmentSync, _Contribution  # noqa: E402
-from muloco.comm.hivemind.progress import ProgressValidator, record_problem  # noqa: E402
+from muloco.comm.hivemind.progress import SwarmRecordValidator, record_problem  # noqa: E402
 from muloco.comm.hivemind.state_sharing import StateServer, _checked_state, state_digest  # noqa: E402
 from muloco.comm.hivemind.transfer import PayloadServer  # noqa: E402
 from muloco.config import HivemindBackendConfig  # noqa: E402
@@ -256,26 +256,38 @@ def test_malformed_forged_replayed_and_oversized_progress_records_are_ignored():
         assert record_problem(auth, BOB, value, expires) is not None
 
 
-def test_the_dht_itself_refuses_forged_and_far_future_progress_records():
-    """Without the validator anyone could store a record that expires in 10^300 s under a peer's subkey and
-    hide that peer's real records (the DHT keeps a subkey's latest-expiring value)."""
+def test_the_dht_itself_refuses_unkeyed_forged_and_far_future_records():
+    """With the key every DHT record carries a tag (appended by the storing node, stripped before hivemind
+    reads it): a peer without the key can neither publish progress nor declare itself for matchmaking.
+    With or without a key, a progress record may not expire in 10^300 s (it would hide a peer's real ones:
+    the DHT keeps a subkey's latest-expiring value)."""
     auth = SwarmAuth("run", KEY)
-    validator = ProgressValidator(auth, "run", ttl=60.0)
-    key = DHTID.generate(source="run_outer_step").to_bytes()
+    validator = SwarmRecordValidator(auth, "run", ttl=60.0)
+    progress_key = DHTID.generate(source="run_outer_step").to_bytes()
     subkey = MSGPackSerializer.dumps(BOB.to_bytes())
+    soon, far = get_dht_time() + 60.0, 1e300
 
-    def record(value, expiration, record_key=key):
-        return DHTRecord(record_key, subkey, MSGPackSerializer.dumps(value), expiration)
+    def record(value, expiration, key=progress_key, signer=validator):
+        raw = DHTRecord(key, subkey, MSGPackSerializer.dumps(value), expiration)
+        return DHTRecord(key, subkey, signer.sign_value(raw), expiration)
 
-    soon = get_dht_time() + 60.0
     good = [5, bytes(16), auth.tag("progress", BOB, 5, bytes(16), soon)]
-    assert validator.validate(record(good, soon))
-    assert not validator.validate(record(good, soon + 1.0))  # the tag covers the expiration
-    far = 1e300
+    signed = record(good, soon)
+    assert validator.validate(signed)
+    assert MSGPackSerializer.loads(validator.strip_value(signed)) == good
+    assert not validator.validate(DHTRecord(progress_key, subkey, signed.value, soon + 1.0))  # re-dated
     assert not validator.validate(record([5, bytes(16), auth.tag("progress", BOB, 5, bytes(16), far)], far))
-    assert not validator.validate(record([5, bytes(16), b"forged"], soon))
-    assert not validator.validate(DHTRecord(key, b"\xc1", b"\xc1", soon))  # not even msgpack
-    assert validator.validate(record("anything", far, record_key=b"another key"))  # not ours to judge
+    outsider = SwarmRecordValidator(SwarmAuth("run"), "run", ttl=60.0)  # a peer without the key
+    assert not validator.validate(record(good, soon, signer=outsider))
+    assert not validator.validate(record(True, soon, key=b"matchmaking key", signer=outsider))  # a leader
+    assert validator.validate(record(True, soon, key=b"matchmaking key"))  # a key holder's declaration
+    assert not validator.validate(DHTRecord(progress_key, b"\xc1", b"\xc1" * 40, soon))  # not even msgpack
+    # An open swarm (no key): no tags, but the progress records' shape and expiration still checked.
+    open_validator = SwarmRecordValidator(SwarmAuth("run"), "run", ttl=60.0)
+    plain = [5, bytes(16), b""]
+    assert open_validator.validate(record(plain, soon, signer=open_validator))
+    assert not open_validator.validate(record(plain, far, signer=open_validator))
+    assert not open_validator.validate(record([2**63, bytes(16), b""], soon, signer=open_validator))
 
 
 def fragment_sync(auth: SwarmAuth, me: PeerID) -> FragmentSync:
