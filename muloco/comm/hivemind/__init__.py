@@ -16,7 +16,7 @@ The sync engine reaches the swarm through `muloco.sync.swarm.SwarmReducer` (the 
 - `combine.py`: the pure rules that decide which contributions are averaged, and the mean.
 """
 
-from muloco.comm.hivemind.combine import contribution_norm, contribution_problem, mean_in_order, norm_outliers
+from muloco.comm.hivemind.combine import contribution_norm, contribution_problem, norm_outliers
 from muloco.comm.hivemind.exchange import AverageResult, AveragingHandle
 from muloco.comm.hivemind.lifecycle import require_fork_start_method
 from muloco.comm.hivemind.payloads import MulocoCompression, unwrap_payload, wrap_payload
@@ -33,7 +33,6 @@ __all__ = [
     "contribution_problem",
     "derive_timeouts",
     "is_loopback",
-    "mean_in_order",
     "norm_outliers",
     "require_fork_start_method",
     "unwrap_payload",

@@ -54,15 +54,6 @@ def norm_outliers(norms: dict[str, float], max_norm_ratio: float) -> dict[str, s
     }
 
 
-def mean_in_order(contributions: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Elementwise mean; the caller fixes the order (peer ids) so that every member sums alike."""
-    total = [t.clone() for t in contributions[0]]
-    for tensors in contributions[1:]:
-        for acc, t in zip(total, tensors, strict=True):
-            acc.add_(t)
-    return [t.div_(len(contributions)) for t in total]
-
-
 def _metadata_problem(meta, step: int, rule: tuple[str, int]) -> str | None:
     """Why a member's gathered metadata rules it out (before any download), or None."""
     if not isinstance(meta, dict) or not is_int(meta.get("step")):

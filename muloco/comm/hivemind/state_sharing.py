@@ -26,13 +26,12 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from muloco.comm.hivemind.auth import SwarmAuth
 from muloco.comm.hivemind.settings import HANDLE_SLACK_S, is_int
+from muloco.comm.hivemind.transfer import CHUNK_BYTES, MESSAGE_OVERHEAD
 
 log = logging.getLogger("muloco")
 
-CHUNK_BYTES = 1 << 20
 COUNTERS = ("step", "outer_steps", "fragment_syncs")  # the metadata a state carries (SharedState)
 HEADER_LIMIT = 4096  # a header holds three counters, a digest and a tag
-MESSAGE_OVERHEAD = 64  # bytes counted per streamed message on top of its payload (a bound on the count)
 
 
 def state_handler(run_id: str) -> str:

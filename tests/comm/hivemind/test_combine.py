@@ -7,7 +7,8 @@ import torch
 
 pytest.importorskip("hivemind")
 
-from muloco.comm.hivemind import contribution_problem, mean_in_order, norm_outliers  # noqa: E402
+from muloco.comm.hivemind import contribution_problem, norm_outliers  # noqa: E402
+from muloco.sync.aggregate import aggregate  # noqa: E402
 
 
 def test_contribution_checks():
@@ -29,5 +30,5 @@ def test_norm_outliers_use_the_lower_median():
 
 
 def test_mean_in_order():
-    mean = mean_in_order([[torch.tensor([1.0, 2.0])], [torch.tensor([3.0, 6.0])]])
+    mean = aggregate([[torch.tensor([1.0, 2.0])], [torch.tensor([3.0, 6.0])]], "mean")
     assert torch.equal(mean[0], torch.tensor([2.0, 4.0]))
