@@ -16,6 +16,7 @@ from muloco.config import Config
 from muloco.data import ReplicaStream
 from muloco.errors import UserError
 from muloco.models import ParamRole, param_roles
+from muloco.offload import ReplicaOffload
 from muloco.optim import build_inner_optimizer
 from muloco.replica import Replica
 from muloco.run_state import CommLedger, Progress, WanProjection
@@ -31,6 +32,10 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        # One GPU per local process (as torchrun's LOCAL_RANK and the nccl backend's device expect).
+        index = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device(name)
 
 
@@ -74,7 +79,7 @@ def diloco_replicas(
     streams: list,
     device,
     topology: Topology,
-    offload: bool,
+    offload: ReplicaOffload | None,
 ) -> list[Replica]:
     """A DiLoCo worker's model copy, inner optimizer and stream per local replica (in host memory with
     simulation.offload); with workers of R ranks, this rank's share of each step."""
@@ -82,11 +87,12 @@ def diloco_replicas(
     # Distributed Muon: each matrix's momentum and Newton-Schulz on one rank of the worker.
     owners = worker.group if worker is not None and cfg.inner.distributed_muon else None
     for index, stream in zip(indices, streams, strict=True):
-        model = copy.deepcopy(template).to(torch.device("cpu") if offload else device)
+        model = copy.deepcopy(template).to(torch.device("cpu") if offload is not None else device)
         maybe_compile(model, cfg, device)
         optimizer = build_inner_optimizer(model, cfg.inner, process_group=owners)
         replica = Replica(index, model, optimizer, stream, device)
         replica.offload = offload
+        replica.on_device = offload is None
         if worker is not None:
             replica.worker = worker
             replica.shard_index, replica.shard_count = topology.local_rank, worker.world_size

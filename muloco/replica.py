@@ -50,8 +50,10 @@ class Replica:
         self.compute_time_s = 0.0  # measured inner-step time, summed over the run
         self.inner_steps = 0  # inner steps taken (a round interrupted by a signal leaves replicas apart)
         self.healthy = True  # False after a non-finite loss, until the next sync resets the replica
-        # simulation.offload: the replica lives in host memory and moves to `device` while it is active.
-        self.offload = False
+        # simulation.offload (offload.py): the replica lives in host memory and moves to `device` while it
+        # is active; None when it always lives on `device`.
+        self.offload = None
+        self.on_device = True
         # A worker of R ranks (docs/topology.md): this rank computes micro-batches shard_index, +R, ... of
         # each step and the gradients are summed over the worker's ranks before the optimizer step.
         self.shard_index, self.shard_count = 0, 1
@@ -67,6 +69,22 @@ class Replica:
     ) -> float:
         """One inner step on this replica's next batch; returns the mean training loss (with R ranks per
         worker: this rank's share of it, the shares sum to the mean)."""
+        loss = self.compute_gradients(micro_batches, seqs_per_micro, lr_multiplier, grad_clip, autocast)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def compute_gradients(
+        self,
+        micro_batches: int,
+        seqs_per_micro: int,
+        lr_multiplier: float,
+        grad_clip: float,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+    ) -> float:
+        """An inner step up to the optimizer step (which `simulation.batched` takes for all replicas at
+        once): the lr for this step, gradients of the next batch (summed over the worker's ranks), clipping.
+        Returns the mean training loss, as `train_step`."""
         set_lr_multiplier(self.optimizer, lr_multiplier)
         if self.worker is None:
             batches = (self.stream.next_batch(seqs_per_micro) for _ in range(micro_batches))
@@ -81,8 +99,6 @@ class Replica:
                 p.grad = g
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / micro_batches
 
     def pseudogradient(
@@ -120,22 +136,28 @@ class Replica:
             optimizer.state.clear()
         self.healthy = True
 
+    def prefetch(self) -> None:
+        """simulation.offload: start bringing this replica to the device while another one computes."""
+        if self.offload is not None:
+            self.offload.prefetch(self)
+
     def activate(self) -> None:
-        if self.offload:
-            self.move_to(self.device)
+        if self.offload is not None:
+            self.offload.activate(self)
 
     def deactivate(self) -> None:
-        if self.offload:
-            self.move_to(torch.device("cpu"))
+        if self.offload is not None:
+            self.offload.deactivate(self)
 
-    def move_to(self, device: torch.device) -> None:
-        """Move parameters and optimizer state (simulation.offload keeps inactive replicas on the CPU)."""
+    def map_tensors(self, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace the parameters' data and the optimizer's state tensors by `move(tensor)` (offload.py
+        moves a replica between host and device this way; step counters, 0-dim, stay where they are)."""
         for p in self.model.parameters():
-            p.data = p.data.to(device)
+            p.data = move(p.data)
         for state in _optimizer_states(self.optimizer):
             for key, value in state.items():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    state[key] = value.to(device)
+                    state[key] = move(value)
 
     def state_dict(self) -> dict:
         return {

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from muloco.batched import step_together, use_batched
 from muloco.build import (
     alignment_probe,
     autocast_factory,
@@ -38,6 +39,7 @@ from muloco.dp import DataParallel
 from muloco.lr_schedule import lr_multiplier
 from muloco.metrics import MetricsLogger, start_wandb
 from muloco.models import build_model, describe_model
+from muloco.offload import ReplicaOffload, offload_applies
 from muloco.resume import check_same_config, find_resume_checkpoint, load_components
 from muloco.run_dir import prepare_run_dir, write_json_atomic, write_resolved_config, write_tokenizer_record
 from muloco.run_state import CommLedger, Progress, RngState, StateList, WanProjection
@@ -82,7 +84,10 @@ class Trainer:
         template = build_model(cfg.model, self.data.vocab_size)
         self.backend.broadcast([p.data for p in template.parameters()], src=0).wait()
         self.num_params = sum(p.numel() for p in template.parameters())
-        self.offload = cfg.simulation.offload and self.device.type == "cuda"
+        self.offload = ReplicaOffload(self.device) if offload_applies(cfg, self.device) else None
+        self.batched = cfg.method == "diloco" and use_batched(
+            cfg.simulation, self.device, len(self.local_indices), cfg.ranks_per_worker
+        )
         streams = [ReplicaStream(self.data.train, seq_len, r, K, cfg.run.seed) for r in self.local_indices]
 
         # The run's state, as components that checkpoint themselves (run_state.py).
@@ -250,9 +255,14 @@ class Trainer:
                 self._log_sync(engine.finish(sync, self.replicas))
 
     def _inner_steps(self, end: int) -> None:
+        if self.batched:
+            self._inner_steps_together(end)
+            return
         segment_times = []
-        for replica in self.replicas:
+        for i, replica in enumerate(self.replicas):
             replica.activate()
+            if i + 1 < len(self.replicas):  # offload: the next replica arrives while this one trains
+                self.replicas[i + 1].prefetch()
             t0 = time.perf_counter()
             while replica.inner_steps < end and not self.stop.now():
                 t = self.cfg.train
@@ -260,18 +270,47 @@ class Trainer:
                 loss = replica.train_step(
                     self.micro_batches, self.seqs_per_micro, lr, t.grad_clip, self.autocast
                 )
-                replica.inner_steps += 1
-                if math.isfinite(loss):
-                    self.progress.round_losses.append(loss)
-                elif replica.healthy:
-                    replica.healthy = False
-                    log.warning(
-                        "replica=%d step=%d: non-finite loss %s", replica.index, replica.inner_steps, loss
-                    )
+                self._count_step(replica, loss)
             segment_times.append(time.perf_counter() - t0)
             replica.compute_time_s += segment_times[-1]
             replica.deactivate()
+        if self.offload is not None:
+            self.offload.settle()
         self.progress.worker_compute_s += sum(segment_times) / len(segment_times)
+
+    def _inner_steps_together(self, end: int) -> None:
+        """simulation.batched: every replica computes its gradients for step s, then one optimizer step
+        updates them all (batched.py). Replicas left apart by an interrupted segment step separately until
+        they meet again."""
+        t, t0 = self.cfg.train, time.perf_counter()
+        while not self.stop.now():
+            behind = [replica for replica in self.replicas if replica.inner_steps < end]
+            if not behind:
+                break
+            step = min(replica.inner_steps for replica in behind)
+            together = [replica for replica in behind if replica.inner_steps == step]
+            lr = self._lr_multiplier(step)
+            losses = [
+                replica.compute_gradients(
+                    self.micro_batches, self.seqs_per_micro, lr, t.grad_clip, self.autocast
+                )
+                for replica in together
+            ]
+            step_together([replica.optimizer for replica in together])
+            for replica, loss in zip(together, losses, strict=True):
+                self._count_step(replica, loss)
+        share = (time.perf_counter() - t0) / len(self.replicas)  # a replica's share of the wall time
+        for replica in self.replicas:
+            replica.compute_time_s += share
+        self.progress.worker_compute_s += share
+
+    def _count_step(self, replica, loss: float) -> None:
+        replica.inner_steps += 1
+        if math.isfinite(loss):
+            self.progress.round_losses.append(loss)
+        elif replica.healthy:
+            replica.healthy = False
+            log.warning("replica=%d step=%d: non-finite loss %s", replica.index, replica.inner_steps, loss)
 
     def _log_sync(self, record: SyncRecord) -> None:
         sums = record.sums
@@ -352,12 +391,13 @@ class Trainer:
             "steps": self.total_steps,
             "sync_every": cfg.sync.every,
             "micro_batches": self.micro_batches,
+            "batched": self.batched,
         }
         log.info(" ".join(f"{key}=%s" for key in fields), *fields.values())
         describe = getattr(self.replicas[0].optimizer, "describe", None)
         if describe is not None:
             log.info("inner optimizer routing:\n%s", describe())
-        if cfg.simulation.offload and not self.offload:
+        if cfg.simulation.offload and self.offload is None:
             log.info(
                 "simulation.offload has no effect on device=%s (replicas live in host memory)", self.device
             )

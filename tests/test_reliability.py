@@ -223,7 +223,15 @@ def test_all_corrupt_checkpoints_are_an_error_not_a_fresh_start(earlier, TINY_mo
 # -- interrupts -------------------------------------------------------------------------------------------
 
 
-INTERRUPTIBLE = ["workers=3", "train.batch_tokens=384", "train.total_tokens=4608", "sync.every=6"]
+# Replicas one after another (the order these tests describe); batched replicas: test_batched.py and the
+# batched case of test_a_non_finite_replica_is_left_out_and_reset.
+INTERRUPTIBLE = [
+    "workers=3",
+    "train.batch_tokens=384",
+    "train.total_tokens=4608",
+    "sync.every=6",
+    "simulation.batched=false",
+]
 
 
 def test_a_signal_stops_after_the_current_inner_step_and_resume_is_exact(tiny):
@@ -261,21 +269,23 @@ def test_a_signal_stops_after_the_current_inner_step_and_resume_is_exact(tiny):
 def poison(trainer: Trainer, replica_index: int, at_steps: set[int]) -> None:
     """Make one replica's parameters NaN after the given inner steps (a diverging worker)."""
     replica = trainer.replicas[replica_index]
-    original_step = replica.train_step
+    original = replica.compute_gradients  # called by train_step and by batched replicas alike
 
     def step(*args, **kwargs):
-        loss = original_step(*args, **kwargs)
+        loss = original(*args, **kwargs)
         if replica.inner_steps + 1 in at_steps:
             with torch.no_grad():
                 next(replica.model.parameters()).fill_(float("nan"))
         return loss
 
-    replica.train_step = step
+    replica.compute_gradients = step
 
 
-def test_a_non_finite_replica_is_left_out_and_reset(tiny):
-    overrides = [*tiny, *INTERRUPTIBLE]
+@pytest.mark.parametrize("batched", ["false", "true"])
+def test_a_non_finite_replica_is_left_out_and_reset(tiny, batched):
+    overrides = [*tiny, *INTERRUPTIBLE, f"simulation.batched={batched}"]
     trainer = Trainer(load_config(None, overrides))
+    assert trainer.batched == (batched == "true")
     poison(trainer, 1, {5})
     summary = trainer.run()
     assert summary["status"] == "completed"

@@ -34,9 +34,10 @@ from muloco.optim.newton_schulz import GRAM_BLOCK, KELLER, default_ns_dtype, use
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_muon.json"
 
 
-def matrices(device: torch.device) -> list[torch.Tensor]:
+def matrices(device: torch.device, shape: dict | None = None) -> list[torch.Tensor]:
+    """The hidden matrices of the `medium` GPT, or of the preset/size in `shape` (ModelConfig fields)."""
     torch.manual_seed(0)
-    model = build_model(ModelConfig(preset="medium"), 256)
+    model = build_model(ModelConfig(**(shape or {"preset": "medium"})), 256)
     roles = param_roles(model)
     return [p.detach().to(device) for name, p in model.named_parameters() if roles[name] is ParamRole.MATRIX]
 
@@ -120,12 +121,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7, help="measured steps per optimizer (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results path")
+    parser.add_argument("--d-model", type=int, help="another model width (e.g. 1024 with --n-layers 12)")
+    parser.add_argument("--n-layers", type=int, help="another depth, with --d-model")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but CUDA is not available")
 
-    base = matrices(device)
+    shape = None
+    if args.d_model:  # heads of 64 dims, as the presets
+        shape = {"preset": "medium", "d_model": args.d_model, "n_heads": max(1, args.d_model // 64)}
+        shape["n_layers"] = args.n_layers or 6
+    base = matrices(device, shape)
     gen = torch.Generator(device=device).manual_seed(1)
     grads = [torch.randn(p.shape, generator=gen, device=device) for p in base]
     dtype = default_ns_dtype(device)

@@ -180,7 +180,16 @@ class BackendConfig(Section):
 
 class SimulationConfig(Section):
     offload: bool = Field(
-        False, description="Keep inactive replicas' parameters and optimizer state on the CPU (CUDA runs)."
+        False,
+        description="Keep inactive replicas' parameters and optimizer state on the CPU (CUDA runs); the next "
+        "replica is copied in on a side stream while the current one computes.",
+    )
+    batched: bool | Literal["auto"] = Field(
+        "auto",
+        description="Step a process's replicas together: each computes its gradients, then one optimizer "
+        "step updates all of them (one Newton-Schulz call per matrix shape for all replicas; "
+        "muloco/batched.py). Same results as one replica after another. auto: on where it measured faster "
+        "(docs/benchmarks.md) and possible (no offload, ranks_per_worker=1).",
     )
 
 

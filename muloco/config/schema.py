@@ -92,6 +92,12 @@ class Config(Section):
                     f"ranks_per_worker ({self.ranks_per_worker}) must divide a worker's micro-batches per "
                     f"step ({self.worker_batch_tokens // micro}); set train.micro_batch_tokens to fit"
                 )
+        if self.simulation.batched is True and (self.simulation.offload or self.ranks_per_worker > 1):
+            raise ValueError(
+                "simulation.batched=true keeps every replica of a process on the device and steps them "
+                "together; it cannot run with simulation.offload=true or ranks_per_worker > 1: set "
+                "simulation.batched=auto (or false)"
+            )
         if self.backend.kind == "hivemind" and (self.method == "dp" or self.ranks_per_worker > 1):
             raise ValueError(
                 "backend.kind=hivemind runs method: diloco with one process per worker (ranks_per_worker=1); "
