@@ -23,8 +23,9 @@ from torch import Tensor
 
 from muloco.optim.muon import Muon
 
-# simulation.batched=auto turns batching on for these device types, where it measured faster
-# (docs/benchmarks.md, "Simulated workers vs data-parallel").
+# simulation.batched=auto turns batching on for these device types: the CPU, where the merged step measured
+# faster (docs/benchmarks.md, "Batched replicas"); CUDA by design (one launch per shape instead of K), to be
+# measured by experiments/gpu/check.sh.
 BATCHED_BY_DEFAULT = ("cpu", "cuda")
 
 # Optimizers whose step reads only `param_groups` and `self.state[p]`, per parameter: merging them is exact.
@@ -32,12 +33,14 @@ BATCHED_BY_DEFAULT = ("cpu", "cuda")
 MERGEABLE = (Muon, torch.optim.AdamW, torch.optim.SGD)
 
 
-def use_batched(simulation, device: torch.device, local_replicas: int, ranks_per_worker: int) -> bool:
-    """Whether this process steps its replicas together (`simulation.batched`: true, false or auto)."""
-    offload = simulation.offload and device.type == "cuda"
-    if simulation.batched is False or local_replicas < 2 or offload or ranks_per_worker > 1:
+def use_batched(
+    setting: bool | str, device: torch.device, local_replicas: int, ranks_per_worker: int, offloaded: bool
+) -> bool:
+    """Whether this process steps its replicas together (`simulation.batched`: true, false or auto);
+    offloaded: replicas move to the device one at a time (simulation.offload in effect)."""
+    if setting is False or local_replicas < 2 or offloaded or ranks_per_worker > 1:
         return False
-    return simulation.batched is True or device.type in BATCHED_BY_DEFAULT
+    return setting is True or device.type in BATCHED_BY_DEFAULT
 
 
 class _ReplicaStates(dict):

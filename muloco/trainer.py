@@ -86,7 +86,11 @@ class Trainer:
         self.num_params = sum(p.numel() for p in template.parameters())
         self.offload = ReplicaOffload(self.device) if offload_applies(cfg, self.device) else None
         self.batched = cfg.method == "diloco" and use_batched(
-            cfg.simulation, self.device, len(self.local_indices), cfg.ranks_per_worker
+            cfg.simulation.batched,
+            self.device,
+            len(self.local_indices),
+            cfg.ranks_per_worker,
+            offloaded=self.offload is not None,
         )
         streams = [ReplicaStream(self.data.train, seq_len, r, K, cfg.run.seed) for r in self.local_indices]
 
