@@ -36,7 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="start N local processes of `muloco train` (torch.distributed)")
     launch.add_argument("--nproc", type=int, required=True, help="number of processes")
     launch.add_argument(
-        "--backend", choices=["torch", "hivemind"], default="torch", help="backend of the processes"
+        "--backend",
+        choices=["torch", "hivemind", "torchft"],
+        default="torch",
+        help="backend of the processes",
     )
     launch.add_argument("config", metavar="CONFIG", help="YAML config file")
     launch.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
@@ -137,7 +140,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from muloco.launch import launch
 
     cfg = load_config(args.config, args.overrides)  # fail here, once, rather than in every rank
-    return launch(args.nproc, args.config, args.overrides, args.backend, cfg.run.name)
+    return launch(args.nproc, args.config, args.overrides, args.backend, cfg.run.name, cfg.backend.torchft)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

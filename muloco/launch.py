@@ -1,5 +1,5 @@
-"""`muloco launch --nproc N [--backend torch|hivemind] CONFIG [KEY=VALUE ...]`: N local processes of
-`muloco train`.
+"""`muloco launch --nproc N [--backend torch|hivemind|torchft] CONFIG [KEY=VALUE ...]`: N local processes
+of `muloco train`.
 
 torch: wired as torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT).
 When one process fails, the others are ended (SIGTERM, then SIGKILL after a grace period): they could only
@@ -7,6 +7,9 @@ wait for it.
 hivemind: a local swarm. Peer 0 starts a new swarm; once it prints its multiaddrs the others join it
 (`backend.hivemind.initial_peers`). Each peer is a run of its own (`run.name=<name>-peer<i>`, data shard i).
 Peers are independent: one that fails does not stop the others, which go on without it.
+torchft: the launcher starts a torchft lighthouse on loopback, then N workers (`run.name=<name>-worker<i>`,
+data shard i) that find it through backend.torchft.lighthouse. Like hivemind peers they are independent:
+one that exits is reported, with the command that brings it back, and the others go on.
 
 Each line a process prints is prefixed with its rank. Ctrl+C / SIGTERM are forwarded to every process. The
 launcher exits with the first failed process's exit code, after repeating its last error line.
@@ -18,6 +21,7 @@ import ast
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -47,11 +51,26 @@ def _pump(stream, prefix: str, sink, tail: deque) -> None:
 
 
 def launch(
-    nproc: int, config: str, overrides: list[str], backend: str = "torch", run_name: str = "run"
+    nproc: int,
+    config: str,
+    overrides: list[str],
+    backend: str = "torch",
+    run_name: str = "run",
+    torchft_section=None,
 ) -> int:
     if nproc < 1:
         print(f"muloco: error: --nproc must be >= 1, got {nproc}", file=sys.stderr)
         return 2
+    lighthouse = None
+    if backend == "torchft":
+        try:
+            lighthouse, lighthouse_addr = start_lighthouse(torchft_section)
+        except ImportError:
+            print(
+                'muloco: error: --backend torchft needs torchft: pip install -e ".[torchft]"', file=sys.stderr
+            )
+            return 2
+        print(f"muloco: torchft lighthouse at {lighthouse_addr}", file=sys.stderr, flush=True)
     port = free_port()
     procs: list[subprocess.Popen] = []
     tails: list[deque] = []
@@ -69,6 +88,14 @@ def launch(
                     print(f"muloco: error: peer 0 did not start a swarm: {last}", file=sys.stderr)
                     return 1
                 extra.append(f"backend.hivemind.initial_peers={json.dumps(swarm_maddrs)}")
+        if backend == "torchft":
+            extra = [
+                f"run.name={run_name}-worker{rank}",
+                f"backend.torchft.lighthouse={lighthouse_addr}",
+                f"backend.torchft.replica_id={rank}",
+                f"backend.torchft.wait_for_workers={nproc}",
+                "backend.torchft.hostname=127.0.0.1",  # all on loopback
+            ]
         env = {
             **os.environ,
             "RANK": str(rank),
@@ -110,17 +137,24 @@ def launch(
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     failed_rank = None
+    independent = backend in ("hivemind", "torchft")  # torch ranks would only wait for a failed one
+    reported: set[int] = set()
     try:
         while any(p.poll() is None for p in procs):
             for rank, p in enumerate(procs):
                 code = p.poll()
                 if code not in (None, 0) and failed_rank is None and not forwarded:
                     failed_rank = rank
-                    if backend != "hivemind":  # torch ranks would only wait for the failed one
+                    if not independent:
                         end_processes(procs)
+                if code not in (None, 0) and backend == "torchft" and rank not in reported and not forwarded:
+                    reported.add(rank)
+                    _report_torchft_exit(rank, code, config, overrides, run_name, lighthouse_addr)
             time.sleep(0.1)
     finally:
         end_processes(procs)
+        if lighthouse is not None:
+            lighthouse.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for t in threads:
@@ -134,6 +168,46 @@ def launch(
     last = next((line for line in reversed(tails[failed_rank]) if line.strip()), "")
     print(f"muloco: rank {failed_rank} exited with code {code}: {last}", file=sys.stderr)
     return code if code and code > 0 else 1
+
+
+def start_lighthouse(section):
+    """A torchft lighthouse on loopback (in this process: it lives as long as the launcher) and its
+    address. Its options come from backend.torchft (min_replicas, join_timeout_s, heartbeat_timeout_s)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # its INFO lines log every quorum; the workers inherit it
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=section.min_replicas,
+        join_timeout_ms=int(section.join_timeout_s * 1000),
+        heartbeat_timeout_ms=int(section.heartbeat_timeout_s * 1000),
+    )
+    port = server.address().rsplit(":", 1)[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+def _report_torchft_exit(
+    rank: int, code: int, config: str, overrides: list[str], run_name: str, lighthouse: str
+) -> None:
+    """A torchft worker exited: the others go on; say how to bring it back (it rejoins live)."""
+    back = shlex.join(
+        [
+            "muloco train",
+            config,
+            *overrides,
+            "backend.kind=torchft",
+            f"run.name={run_name}-worker{rank}",
+            f"backend.torchft.lighthouse={lighthouse}",
+            f"backend.torchft.replica_id={rank}",
+            "backend.torchft.hostname=127.0.0.1",
+        ]
+    )
+    print(
+        f"muloco: worker {rank} exited with code {code}; the others go on without it. To bring it back "
+        f"(it rejoins at the next sync with the run's state): {back}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def wait_for_maddrs(proc: subprocess.Popen, read_lines: Callable[[], Iterable[str]]) -> list[str]:

@@ -55,6 +55,7 @@ def build_summary(
         "train_tokens_per_s": round(tokens / train_time_s, 1) if train_time_s > 0 else None,
         "replica_compute_s": [round(r.compute_time_s, 3) for r in replicas],
         **components["wan"].summary(),
+        **(components["membership"].summary() if "membership" in components else {}),  # torchft
         "params": num_params,
         "device": device,
         "config_fingerprint": cfg.fingerprint(),

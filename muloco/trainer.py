@@ -136,6 +136,7 @@ class Trainer:
             "replicas": StateList(self.replicas),
             "rng": RngState(self.device),
             **({"engine": self.engine} if self.engine is not None else {"dp": self.dp}),
+            **({"membership": self.reducer.membership} if hasattr(self.reducer, "membership") else {}),
         }
         self.stop = StopRequest(self.backend)
         self.resumed_from: Path | None = None

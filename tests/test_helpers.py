@@ -1,13 +1,16 @@
 """Shared helpers for tests (importable because pyproject sets pytest's pythonpath to tests/)."""
 
+import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
+from muloco.checkpoint import list_checkpoints, load_checkpoint
 from muloco.data import ReplicaStream
 from muloco.lr_schedule import lr_multiplier
 from muloco.models import build_model
@@ -37,6 +40,25 @@ def hand_inner_steps(cfg, trainer, replica_index, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return params_of(model)
+
+
+def sync_records(run_dir: Path) -> list[dict]:
+    """The `kind: sync` records of a run's metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "sync"]
+
+
+def final_global_params(run_dir: Path) -> list[torch.Tensor]:
+    """The global parameters in a run's newest checkpoint."""
+    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])["engine"]["outer"]["params"]
+
+
+def assert_same_global_params(*run_dirs: Path) -> None:
+    """Every run's newest checkpoint holds the same global parameters, bit for bit."""
+    reference = final_global_params(run_dirs[0])
+    for run_dir in run_dirs[1:]:
+        for a, b in zip(reference, final_global_params(run_dir), strict=True):
+            assert torch.equal(a, b), run_dir
 
 
 def _env(extra: dict[str, str] | None) -> dict[str, str]:

@@ -4,6 +4,7 @@ optimizers.
 - `base.py`: the `Backend` protocol and `Handle` (asynchronous operations), byte accounting helpers.
 - `local.py`: one process hosting every replica (simulation); reductions across processes are identities.
 - `torch_dist.py`: torch.distributed (gloo on CPU, nccl on CUDA), set up from the torchrun environment.
+- `torchft_group.py`: a worker's membership in an elastic torchft run (quorums, collectives over them).
 """
 
 import logging
@@ -29,8 +30,9 @@ def build_backend(cfg) -> Backend:
             "WORLD_SIZE=%s is set (torchrun): using backend.kind=torch", os.environ["WORLD_SIZE"]
         )
         kind = "torch"
-    if kind in ("local", "hivemind"):
-        return LocalBackend()  # a hivemind peer is a world of its own; its SwarmReducer joins the swarm
+    if kind in ("local", "hivemind", "torchft"):
+        # A hivemind peer or a torchft worker is a world of its own; its reducer joins the swarm / quorum.
+        return LocalBackend()
     if kind == "torch":
         from muloco.comm.torch_dist import TorchDistBackend
 

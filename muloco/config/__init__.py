@@ -2,8 +2,8 @@
 
 - `sections.py`: the training sections (run, model with `MODEL_PRESETS`, data, train, inner, outer, sync,
   compression) and `Section`, their base (unknown keys are errors).
-- `runtime.py`: backends (local, torch, hivemind: the swarm's only schema), simulation, diagnostics, logging,
-  checkpoint.
+- `runtime.py`: backends (local, torch, hivemind: the swarm's only schema, torchft), simulation,
+  diagnostics, logging, checkpoint.
 - `schema.py`: `Config`, the whole file: checks across sections, derived quantities, the fingerprint.
 - `loading.py`: YAML file -> `extends:` chain merged -> dotted `KEY=VALUE` overrides -> validation; every
   failure is a one-line `ConfigError` naming the field (dotted path) and the fix (`load_config`).
@@ -31,6 +31,7 @@ from muloco.config.runtime import (
     LoggingConfig,
     SimulationConfig,
     TorchBackendConfig,
+    TorchftBackendConfig,
 )
 from muloco.config.schema import Config
 from muloco.config.sections import (
@@ -60,6 +61,7 @@ __all__ = [
     "DiagnosticsConfig",
     "HivemindAuthConfig",
     "HivemindBackendConfig",
+    "TorchftBackendConfig",
     "InnerConfig",
     "LocalBackendConfig",
     "LoggingConfig",

@@ -1,4 +1,4 @@
-"""The runtime sections of the config: backends (local, torch, hivemind), simulation, diagnostics,
+"""The runtime sections of the config: backends (local, torch, hivemind, torchft), simulation, diagnostics,
 logging, checkpoints."""
 
 from __future__ import annotations
@@ -166,16 +166,84 @@ class HivemindBackendConfig(Section):
         return self
 
 
+class TorchftBackendConfig(Section):
+    """One worker of an elastic run on torchft (`pip install -e ".[torchft]"`; docs/backends.md)."""
+
+    lighthouse: str | None = Field(
+        None,
+        description="The torchft lighthouse's address, e.g. http://head-node:29510; null: the "
+        "TORCHFT_LIGHTHOUSE environment variable (`muloco launch --backend torchft` sets it).",
+    )
+    replica_id: int | None = Field(
+        None,
+        ge=0,
+        description="This worker's index r < workers (its data shard and its name at the lighthouse); "
+        "null: the RANK the launcher sets, else 0. A restarted worker keeps its index.",
+    )
+    hostname: str | None = Field(
+        None,
+        description="The name or address other workers reach this one by (its torchft manager, store and "
+        "state server are advertised under it); null: this machine's hostname.",
+    )
+    timeout_s: float = Field(
+        30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="How long a sync's collectives and a state transfer wait for a worker that died "
+        "mid-sync before the sync is retried with a new quorum of those present.",
+    )
+    quorum_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="How long one attempt to form a quorum at a sync may take. Keep it above one round "
+        "(H inner steps): a worker whose sync failed while the others' committed waits for their next sync "
+        "to catch up (docs/backends.md).",
+    )
+    quorum_retries: int = Field(
+        3, ge=0, description="Failed quorums or syncs retried in a row before the run fails (logged)."
+    )
+    wait_for_workers: int | None = Field(
+        None,
+        ge=1,
+        description="At the start of a new run, wait (at most join_timeout_s) until this many workers are "
+        "known to the lighthouse, so the first sync has them all; null: workers. A worker that joins a "
+        "running job never waits.",
+    )
+    join_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="The start's wait for wait_for_workers; the launcher's lighthouse also waits this long "
+        "for a live worker that has not asked for a quorum yet before forming one without it.",
+    )
+    min_replicas: int = Field(
+        1,
+        ge=1,
+        description="A sync commits only with at least this many workers in its quorum (the launcher's "
+        "lighthouse uses it too).",
+    )
+    heartbeat_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="The launcher's lighthouse: a worker silent this long is dead, and the next quorum "
+        "forms without it.",
+    )
+
+
 class BackendConfig(Section):
-    kind: Literal["local", "torch", "hivemind"] = Field(
+    kind: Literal["local", "torch", "hivemind", "torchft"] = Field(
         "local",
         description="local: all replicas in this process; torch: torch.distributed, one process per rank "
         "(`muloco launch --nproc N` or torchrun; under torchrun `local` switches to `torch` by itself); "
-        "hivemind: one peer of a decentralized swarm (docs/backends.md).",
+        "hivemind: one peer of a decentralized swarm; torchft: one worker of an elastic cluster run, "
+        "which goes on when a worker dies and takes it back live (docs/backends.md).",
     )
     local: LocalBackendConfig = Field(default_factory=LocalBackendConfig)
     torch: TorchBackendConfig = Field(default_factory=TorchBackendConfig)
     hivemind: HivemindBackendConfig = Field(default_factory=HivemindBackendConfig)
+    torchft: TorchftBackendConfig = Field(default_factory=TorchftBackendConfig)
 
 
 class SimulationConfig(Section):

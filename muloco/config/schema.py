@@ -103,6 +103,8 @@ class Config(Section):
                 "backend.kind=hivemind runs method: diloco with one process per worker (ranks_per_worker=1); "
                 "use backend.kind=torch for method: dp or workers of several ranks"
             )
+        if self.backend.kind == "torchft":
+            self._check_torchft()
         if self.backend.kind == "hivemind" and self.sync.transport == "reduce_scatter":
             raise ValueError(
                 "sync.transport=reduce_scatter needs a fixed set of workers (backend.kind local or torch); a "
@@ -133,6 +135,36 @@ class Config(Section):
         if self.data.source == "text" and self.data.path is None:
             raise ValueError("data.source: text needs data.path (files, a directory or a glob)")
         return self
+
+    def _check_torchft(self) -> None:
+        """What an elastic torchft worker can run: syncs that finish where they start, because a worker
+        that rejoins adopts the others' state at a sync's quorum (muloco/sync/elastic.py)."""
+        if self.method == "dp" or self.ranks_per_worker > 1:
+            raise ValueError(
+                "backend.kind=torchft runs method: diloco with one process per worker (ranks_per_worker=1); "
+                "use backend.kind=torch for method: dp or workers of several ranks"
+            )
+        if self.sync.fragments > 1 or self.sync.overlap > 0:
+            raise ValueError(
+                "backend.kind=torchft syncs the whole model, at once, at every sync: a worker that rejoins "
+                "adopts the others' state at a sync's quorum, when it could be on another fragment than they "
+                "are or hold a sync in flight; set sync.fragments=1 and sync.overlap=0"
+            )
+        if self.sync.transport == "reduce_scatter":
+            raise ValueError(
+                "sync.transport=reduce_scatter needs a fixed set of workers; a torchft quorum changes when a "
+                "worker dies or rejoins, so its workers all-gather: set sync.transport=auto or all_gather"
+            )
+        section = self.backend.torchft
+        waiting = section.wait_for_workers
+        if waiting is not None and waiting > self.workers:
+            raise ValueError(
+                f"backend.torchft.wait_for_workers ({waiting}) must be <= workers ({self.workers})"
+            )
+        if section.min_replicas > self.workers:
+            raise ValueError(
+                f"backend.torchft.min_replicas ({section.min_replicas}) must be <= workers ({self.workers})"
+            )
 
     # -- derived quantities --------------------------------------------------------------------------
     @property

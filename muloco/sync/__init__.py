@@ -9,6 +9,8 @@
   (local / torch.distributed with the worker topology); the swarm's is `muloco.comm.hivemind.SwarmReducer`.
 - `inflight.py`: `InFlightSync` (a sync between start and application, checkpointable) and `SyncRecord`.
 - `guard.py`: the non-finite guard (replicas left out of a sync; `train.max_bad_syncs`).
+- `elastic.py`: `ElasticReducer`, the reducer over a torchft quorum (`muloco.comm.torchft_group`): a quorum
+  per sync, retries, a rejoining worker's live heal (imports torchft lazily).
 - `swarm.py`: `SwarmReducer`, the reducer over a hivemind swarm (`muloco.comm.hivemind.HivemindSwarm`):
   contributions, joining and catching up through the engine's `SharedState` (imports hivemind lazily).
 """
@@ -21,12 +23,17 @@ from muloco.sync.reduce import CollectiveReducer, Contribution, Mean, PendingMea
 
 
 def build_reducer(cfg, topology) -> Reducer:
-    """The reducer `backend.kind` names: a hivemind swarm, else collectives over the processes' topology."""
+    """The reducer `backend.kind` names: a hivemind swarm, a torchft quorum, else collectives over the
+    processes' topology."""
     if cfg.backend.kind == "hivemind":
         from muloco.sync.swarm import SwarmReducer
 
         tolerate = cfg.sync.trim if cfg.sync.aggregate != "mean" else 0
         return SwarmReducer(cfg.backend.hivemind, cfg.workers, tolerate)
+    if cfg.backend.kind == "torchft":
+        from muloco.sync.elastic import ElasticReducer
+
+        return ElasticReducer(cfg.backend.torchft, cfg.workers)
     return CollectiveReducer(topology, cfg.workers)
 
 

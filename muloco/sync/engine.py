@@ -376,6 +376,10 @@ class SyncEngine:
         for replica in replicas:
             replica.load_global(self.outer.params)
             replica.inner_steps = p.steps
+        # Error-feedback residuals were left by messages encoded from the old global parameters.
+        for ef in (*self.error_feedback, *self.owner_feedback):
+            if ef is not None:
+                ef.reset()
 
     def can_adopt(self) -> bool:
         return not self.in_flight and not self._is_last(self.progress.steps)

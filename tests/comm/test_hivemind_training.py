@@ -8,9 +8,14 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from test_helpers import LineReader, run_muloco, start_muloco
-
-from muloco.checkpoint import list_checkpoints, load_checkpoint
+from test_helpers import (
+    LineReader,
+    assert_same_global_params,
+    final_global_params,
+    run_muloco,
+    start_muloco,
+    sync_records,
+)
 
 pytest.importorskip("hivemind")
 pytestmark = pytest.mark.slow
@@ -33,15 +38,6 @@ def common(tmp_path, TINY, total_tokens=6144):
     ]
 
 
-def syncs(run_dir: Path) -> list[dict]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if r["kind"] == "sync"]
-
-
-def global_params(run_dir: Path) -> list[torch.Tensor]:
-    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])["engine"]["outer"]["params"]
-
-
 @pytest.mark.parametrize(
     "compression", [[], ["compression.scheme=statistical", "compression.bits=4"]], ids=["fp32", "stat4"]
 )
@@ -60,15 +56,15 @@ def test_three_peers_average_every_sync_and_stay_equal(tmp_path, TINY, compressi
     assert result.returncode == 0, result.stderr[-3000:]
     peers = [tmp_path / f"swarm-peer{i}" for i in range(3)]
     for run_dir in peers:
-        records = syncs(run_dir)  # 16 steps: syncs at 3, 6, ..., 15 and 16
+        records = sync_records(run_dir)  # 16 steps: syncs at 3, 6, ..., 15 and 16
         assert len(records) == 6 and all(r["group_size"] == 3 for r in records)
         # Under heavy load a download can still fail: the member then leaves that contribution out, and
         # the next sync's digests show it and it loads the majority's state (CI saw it at step 12).
         for before, after in zip(records, records[1:], strict=False):
             assert not before["replicas_left_out"] or after.get("state_reference"), (before, after)
-    reference = global_params(peers[0])
+    reference = final_global_params(peers[0])
     for run_dir in peers[1:]:
-        for a, b in zip(reference, global_params(run_dir), strict=True):
+        for a, b in zip(reference, final_global_params(run_dir), strict=True):
             assert torch.equal(a, b)  # every peer decodes the same bytes in the same order
     summaries = [json.loads((p / "summary.json").read_text()) for p in peers]
     assert len({s["final_val_loss"] for s in summaries}) == 1
@@ -82,7 +78,7 @@ def test_a_killed_peer_costs_the_others_at_most_a_timeout(tmp_path, TINY):
         victim_dir = tmp_path / "swarm-peer2"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if (victim_dir / "metrics.jsonl").exists() and len(syncs(victim_dir)) >= 2:
+            if (victim_dir / "metrics.jsonl").exists() and len(sync_records(victim_dir)) >= 2:
                 break
             time.sleep(0.1)
         # The launcher's direct children are the peers (their own children: hivemind's DHT, averagers, p2pd).
@@ -100,14 +96,11 @@ def test_a_killed_peer_costs_the_others_at_most_a_timeout(tmp_path, TINY):
     for i in (0, 1):  # ... and the other two finished every step
         summary = json.loads((tmp_path / f"swarm-peer{i}" / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["outer_steps"] == 8
-        groups = [r["group_size"] for r in syncs(tmp_path / f"swarm-peer{i}")]
+        groups = [r["group_size"] for r in sync_records(tmp_path / f"swarm-peer{i}")]
         # The victim was in a group of 3 with them before the kill (under load, matchmaking may pair two
         # peers for one of those syncs while the third is still alive: CI saw [3, 2]); only 2 at the end.
         assert 3 in groups[:2] and groups[-1] == 2
-    for a, b in zip(
-        global_params(tmp_path / "swarm-peer0"), global_params(tmp_path / "swarm-peer1"), strict=True
-    ):
-        assert torch.equal(a, b)
+    assert_same_global_params(tmp_path / "swarm-peer0", tmp_path / "swarm-peer1")
 
 
 def test_a_late_joiner_catches_up_and_another_run_id_never_mixes(tmp_path, TINY):
@@ -121,7 +114,7 @@ def test_a_late_joiner_catches_up_and_another_run_id_never_mixes(tmp_path, TINY)
         first = tmp_path / "swarm-peer0"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not (
-            (first / "metrics.jsonl").exists() and len(syncs(first)) >= 2
+            (first / "metrics.jsonl").exists() and len(sync_records(first)) >= 2
         ):
             time.sleep(0.1)
         assert launcher.poll() is None, "the swarm finished before the joiner could join"
@@ -149,11 +142,11 @@ def test_a_late_joiner_catches_up_and_another_run_id_never_mixes(tmp_path, TINY)
     joiner_err = outputs[0][1]
     loaded = [x for x in joiner_err.splitlines() if "hivemind: loaded the state of peer=" in x]
     assert loaded and "step=0 " not in loaded[0]  # it started from the swarm's state, mid-run
-    groups = [r["group_size"] for r in syncs(tmp_path / "joiner")]
+    groups = [r["group_size"] for r in sync_records(tmp_path / "joiner")]
     first_averaged = groups.index(3)  # (a sync it started while still behind the others finds no group)
     assert first_averaged <= 2 and all(g == 3 for g in groups[first_averaged:]), groups
-    for a, b in zip(global_params(tmp_path / "joiner"), global_params(first), strict=True):
+    for a, b in zip(final_global_params(tmp_path / "joiner"), final_global_params(first), strict=True):
         assert torch.equal(a, b)
     # The intruder (run_id=other) joined the same DHT but never averaged with the swarm, nor it with it.
-    assert all(r["group_size"] == 1 for r in syncs(tmp_path / "intruder"))
-    assert max(r["group_size"] for r in syncs(first)) == 3
+    assert all(r["group_size"] == 1 for r in sync_records(tmp_path / "intruder"))
+    assert max(r["group_size"] for r in sync_records(first)) == 3

@@ -7,6 +7,7 @@ testbed, and (by the next testbed) after a SIGKILL.
 
 import ipaddress
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -259,3 +260,85 @@ def test_hivemind_peers_on_separate_hosts_average_every_sync(tmp_path):
         assert [r.get("group_size") for r in records if r["kind"] == "sync"] == [2, 2]
         finals.append(json.loads((run_dir / "summary.json").read_text())["final_val_loss"])
     assert finals[0] == finals[1]
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+@needs_netns
+def test_torchft_workers_on_separate_hosts_survive_a_death_and_rejoin_live(tmp_path):
+    """Three torchft workers on hosts of their own, the lighthouse on host 0. Every address a worker
+    advertises (its manager, store and state server: backend.torchft.hostname) is its host's, so the
+    quorum's gloo group and a rejoining worker's state download cross the links. Worker 2 is SIGKILLed
+    after its second sync and started again on its host: it adopts the others' state over the link and ends
+    with their global parameters, bit for bit."""
+    pytest.importorskip("torchft")
+    from test_helpers import assert_same_global_params, sync_records
+
+    lighthouse_bin = Path(sys.executable).parent / "torchft_lighthouse"
+    config = str(ROOT / "configs/quickstart.yaml")
+    common = [
+        "model.preset=nano",
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.n_heads=2",
+        "model.seq_len=32",
+        "workers=3",
+        "train.batch_tokens=384",
+        "train.total_tokens=9216",  # 24 steps: 8 syncs
+        "train.eval_every=0",
+        "train.eval_tokens=512",
+        "sync.every=3",
+        "logging.progress=off",
+        "backend.kind=torchft",
+        f"run.output_dir={tmp_path}",
+    ]
+    with Testbed(3, 200) as testbed:
+        hub = testbed.hosts[0].address
+        lighthouse = f"http://{hub}:29510"
+        testbed.popen(
+            0,
+            [str(lighthouse_bin), "--min_replicas", "1", "--join_timeout_ms", "60000"]
+            + ["--heartbeat_timeout_ms", "15000", "--bind", f"{hub}:29510"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        probe = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/status', timeout=2)"
+        up = [sys.executable, "-c", probe, lighthouse]
+        _wait_for(
+            lambda: subprocess.run(testbed.command(0, up), capture_output=True).returncode == 0, 30, "it"
+        )
+
+        def start(host: int, name: str) -> subprocess.Popen:
+            overrides = [
+                f"backend.torchft.lighthouse={lighthouse}",
+                f"backend.torchft.replica_id={host}",
+                f"backend.torchft.hostname={testbed.hosts[host].address}",
+                f"run.name={name}",
+            ]
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+            with open(tmp_path / f"{name}.log", "w") as log:
+                cmd = [sys.executable, "-m", "muloco", "train", config, *common, *overrides]
+                return testbed.popen(host, cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+        workers = [start(host, f"ft-worker{host}") for host in range(3)]
+        victim = tmp_path / "ft-worker2"
+        _wait_for(
+            lambda: (victim / "metrics.jsonl").exists() and len(sync_records(victim)) >= 2, 120, "2 syncs"
+        )
+        os.killpg(workers[2].pid, signal.SIGKILL)
+        replacement = start(2, "back")
+        codes = [p.wait(timeout=240) for p in (workers[0], workers[1], replacement)]
+    logs = {name: (tmp_path / f"{name}.log").read_text()[-2000:] for name in ("ft-worker0", "back")}
+    assert codes == [0, 0, 0], logs
+    records = sync_records(tmp_path / "back")
+    assert records[0]["healed"] and records[0]["quorum_size"] == 3, records[0]
+    assert "adopted the quorum's state live" in logs["back"]
+    assert_same_global_params(tmp_path / "ft-worker0", tmp_path / "ft-worker1", tmp_path / "back")

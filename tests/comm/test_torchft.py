@@ -1,0 +1,177 @@
+"""The torchft backend (loopback lighthouse, gloo): equal to the torch backend without failures; a killed
+worker does not stop the others, and a restarted one adopts their state live and ends equal to them;
+an unreachable lighthouse and a quorum that cannot form end with one line, never a hang."""
+
+import json
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from test_helpers import (
+    assert_same_global_params,
+    final_global_params,
+    run_muloco,
+    start_muloco,
+    sync_records,
+)
+
+from muloco.launch import free_port
+
+pytest.importorskip("torchft")
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+QS = str(ROOT / "configs/quickstart.yaml")
+STAT4_EF = ["compression.scheme=statistical", "compression.bits=4", "compression.error_feedback=true"]
+
+
+def common(tmp_path, TINY, outer_steps=8, every=3):
+    return [
+        *TINY,
+        "workers=3",
+        "train.batch_tokens=384",
+        f"train.total_tokens={384 * every * outer_steps}",
+        f"sync.every={every}",
+        f"run.output_dir={tmp_path}",
+    ]
+
+
+@pytest.mark.parametrize(
+    "inner, compression, rtol",
+    [
+        ("adamw", [], 1e-6),  # fp32: gloo's all-reduce over the quorum vs over the torch world
+        ("muon", ["inner.ns_dtype=fp32"], 1e-6),
+        # Compressed: every member decodes every message in the same order as the torch ranks.
+        ("muon", [*STAT4_EF, "sync.transport=all_gather"], 0.0),
+    ],
+    ids=["adamw-fp32", "muon-fp32", "muon-statistical4-ef"],
+)
+def test_three_workers_equal_the_torch_backend(tmp_path, TINY, inner, compression, rtol):
+    overrides = [*common(tmp_path, TINY), f"inner.optimizer={inner}", *compression]
+    ft = run_muloco(
+        "launch", "--nproc", 3, "--backend", "torchft", QS, *overrides, "run.name=ft", timeout=240
+    )
+    assert ft.returncode == 0, ft.stderr[-3000:]
+    torch_run = run_muloco("launch", "--nproc", 3, QS, *overrides, "run.name=torch", timeout=240)
+    assert torch_run.returncode == 0, torch_run.stderr[-3000:]
+    reference = final_global_params(tmp_path / "torch")
+    for i in range(3):
+        run_dir = tmp_path / f"ft-worker{i}"
+        assert [r["quorum_size"] for r in sync_records(run_dir)] == [3] * 8
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["quorum_size_min"] == 3 and summary["heals"] == 0
+        for a, b in zip(final_global_params(run_dir), reference, strict=True):
+            torch.testing.assert_close(a, b, rtol=rtol, atol=1e-7 if rtol else 0.0)
+
+
+def _wait_for_syncs(run_dir: Path, count: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and len(sync_records(run_dir)) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{run_dir.name} did not reach {count} syncs")
+
+
+def _kill_worker(launcher, rank: int) -> None:
+    workers = psutil.Process(launcher.pid).children(recursive=False)
+    next(c for c in workers if c.environ().get("RANK") == str(rank)).kill()
+
+
+def test_a_killed_worker_does_not_stop_the_others(tmp_path, TINY):
+    overrides = [*common(tmp_path, TINY), "backend.torchft.heartbeat_timeout_s=2", "run.name=ft"]
+    launcher = start_muloco("launch", "--nproc", 3, "--backend", "torchft", QS, *overrides)
+    try:
+        _wait_for_syncs(tmp_path / "ft-worker2", 2)
+        _kill_worker(launcher, 2)  # SIGKILL at outer step 2 of 8
+        _, err = launcher.communicate(timeout=180)
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+    assert launcher.returncode != 0 and "worker 2 exited" in err and "the others go on" in err
+    assert "backend.torchft.replica_id=2" in err  # ... with the command that brings it back
+    for i in (0, 1):
+        run_dir = tmp_path / f"ft-worker{i}"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["outer_steps"] == 8
+        assert summary["quorum_size_min"] == 2 and summary["quorum_size_last"] == 2
+        sizes = [r["quorum_size"] for r in sync_records(run_dir)]
+        assert sizes[:2] == [3, 3] and sizes[-1] == 2  # (a sync the victim died in is retried without it)
+    assert_same_global_params(tmp_path / "ft-worker0", tmp_path / "ft-worker1")
+
+
+def test_a_restarted_worker_recovers_the_state_live_and_ends_equal(tmp_path, TINY):
+    # The lighthouse drops the victim after the heartbeat timeout; its replacement, started at once,
+    # heartbeats before that, so the survivors' next quorum waits for it (the join timeout): it joins then.
+    overrides = [*common(tmp_path, TINY), "backend.torchft.heartbeat_timeout_s=15", "run.name=ft"]
+    launcher = start_muloco("launch", "--nproc", 3, "--backend", "torchft", QS, *overrides)
+    replacement = None
+    try:
+        _wait_for_syncs(tmp_path / "ft-worker2", 2)
+        lighthouse = next(
+            arg.split("=", 1)[1]
+            for arg in psutil.Process(launcher.pid).children()[0].cmdline()
+            if arg.startswith("backend.torchft.lighthouse=")
+        )
+        _kill_worker(launcher, 2)
+        back = [*overrides, "backend.kind=torchft", f"backend.torchft.lighthouse={lighthouse}"]
+        back.append("backend.torchft.hostname=127.0.0.1")  # as the launcher's workers (and its hint)
+        replacement = start_muloco("train", QS, *back, "backend.torchft.replica_id=2", "run.name=back")
+        _, replacement_err = replacement.communicate(timeout=240)
+        launcher.wait(timeout=240)
+    finally:
+        for p in (launcher, replacement):
+            if p is not None:
+                p.kill()
+                p.wait(timeout=10)
+    assert replacement.returncode == 0, replacement_err[-3000:]
+    adopted = [line for line in replacement_err.splitlines() if "adopted the quorum's state live" in line]
+    assert len(adopted) == 1 and "step=0 " not in adopted[0]
+    records = sync_records(tmp_path / "back")
+    assert records[0]["healed"] and records[0]["quorum_size"] == 3 and records[-1]["step"] == 24
+    assert json.loads((tmp_path / "back" / "summary.json").read_text())["heals"] == 1
+    assert_same_global_params(tmp_path / "ft-worker0", tmp_path / "ft-worker1", tmp_path / "back")
+
+
+def test_an_unreachable_lighthouse_is_one_line_and_exit_2(tmp_path, TINY):
+    result = run_muloco(
+        "train",
+        QS,
+        *common(tmp_path, TINY),
+        "backend.kind=torchft",
+        f"backend.torchft.lighthouse=http://127.0.0.1:{free_port()}",
+        timeout=120,
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "backend.torchft.lighthouse: cannot reach the lighthouse" in lines[-1]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_quorum_that_cannot_form_is_logged_and_retried_then_fails(tmp_path, TINY):
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)  # a second worker never comes
+    try:
+        address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
+        started = time.monotonic()
+        result = run_muloco(
+            "train",
+            QS,
+            *common(tmp_path, TINY),
+            "backend.kind=torchft",
+            f"backend.torchft.lighthouse={address}",
+            "backend.torchft.wait_for_workers=1",
+            "backend.torchft.quorum_timeout_s=2",
+            "backend.torchft.quorum_retries=1",
+            timeout=120,
+        )
+        elapsed = time.monotonic() - started
+    finally:
+        lighthouse.shutdown()
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert elapsed > 2 * 2  # each attempt asked the lighthouse anew and waited its quorum_timeout_s
+    assert "no quorum" in result.stderr and "retrying with a new quorum (attempt 2 of 2)" in result.stderr
+    assert "failed 2 times in a row" in result.stderr.splitlines()[-1]

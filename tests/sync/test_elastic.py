@@ -1,0 +1,176 @@
+"""`ElasticReducer` (sync/elastic.py) against a fake torchft group: a failed sync is retried in a new quorum
+with the same contribution, a worker behind adopts the quorum's state and contributes nothing, a quorum
+that never forms fails the run with one line. (Real quorums: tests/comm/test_torchft.py, slow.)"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from muloco.comm.torchft_group import QuorumFailed
+from muloco.config import OuterConfig, SyncConfig, TorchftBackendConfig, load_config
+from muloco.errors import ConfigError, TrainingError
+from muloco.replica import Replica
+from muloco.sync import SyncEngine
+from muloco.sync.codec import pack
+from muloco.sync.elastic import ElasticReducer
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs/quickstart.yaml")
+
+
+class FakeGroup:
+    """A quorum of this worker and scripted others. Each attempt: (others' flat sum or None for a failed
+    collective, committed, a state to heal from or None); "no quorum" raises QuorumFailed."""
+
+    def __init__(self, attempts, load_state):
+        self.attempts, self.load_state = list(attempts), load_state
+        self.size, self.quorum_id, self.current = 0, 0, None
+        self.sent = []  # what this worker put into each collective
+
+    def form_quorum(self):
+        self.current = self.attempts.pop(0)
+        if self.current == "no quorum":
+            raise QuorumFailed("TimeoutError: quorum")
+        self.quorum_id += 1
+        self.size = self.current.get("size", 2)
+        if self.current.get("heal") is not None:
+            self.load_state(self.current["heal"])
+
+    def all_reduce_sum(self, flat):
+        self.sent.append(flat.clone())
+        others = self.current["others"]
+        return flat.add_(others) if others is not None else flat.fill_(float("nan"))
+
+    def all_gather_bytes(self, payload):
+        self.sent.append(payload)
+        return [payload, *self.current["others"]]
+
+    def commit(self):
+        return self.current["commit"]
+
+    def set_step(self, step):
+        pass
+
+    def wait_for_workers(self, count, timeout_s):
+        pass
+
+    def close(self):
+        pass
+
+
+def engine_and_replica(attempts, retries=3):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+
+    class Reducer(ElasticReducer):
+        def open(self, shapes, codecs):
+            self.group = FakeGroup(attempts, self._receive_state)
+
+    section = TorchftBackendConfig(replica_id=0, quorum_retries=retries)
+    engine = SyncEngine(
+        model,
+        Reducer(section, workers=2),
+        sync=SyncConfig(every=2),
+        outer=OuterConfig(lr=1.0, momentum=0.0, nesterov=False),  # the outer step applies the mean as is
+        compression=None,
+        local_replicas=1,
+        max_bad_syncs=3,
+        total_steps=10,
+    )
+    replica = Replica(0, model, torch.optim.SGD(model.parameters(), lr=0.1), None, torch.device("cpu"))
+    engine.join([replica], resumed=False)
+    return engine, replica
+
+
+def flat(tensors, count, healed):
+    return torch.cat([t.reshape(-1) for t in tensors] + [torch.tensor([float(count), float(healed)])])
+
+
+def sync(engine, replica, step=2):
+    with torch.no_grad():
+        for p in replica.model.parameters():
+            p.sub_(0.5)  # this worker's pseudogradient: +0.5 everywhere
+    replica.inner_steps = engine.progress.steps = step
+    started = engine.start(0, [replica], step, {"loss_sum_count": (0.0, 1)})
+    return engine.finish(started, [replica])
+
+
+def test_a_failed_sync_is_retried_in_a_new_quorum_with_the_same_contribution():
+    other = [torch.full((2, 3), 0.1), torch.full((2,), 0.1)]  # the other member's pseudogradient
+    attempts = [
+        {"others": None, "commit": False},  # a member died mid-sync: the collective failed
+        {"others": flat(other, 1, 0), "commit": True},
+    ]
+    engine, replica = engine_and_replica(attempts)
+    start = [p.clone() for p in engine.global_params]
+    record = sync(engine, replica)
+    sent = engine.reducer.group.sent
+    assert len(sent) == 2 and torch.equal(sent[0], sent[1])  # the same contribution both times
+    for before, after in zip(start, engine.global_params, strict=True):
+        torch.testing.assert_close(after, before - (0.5 + 0.1) / 2)
+    assert record.fields["quorum_size"] == 2 and record.fields["replicas_left_out"] == 0
+    assert engine.reducer.membership.retried_syncs == 1 and engine.reducer.membership.quorum_sizes == [2]
+
+
+def test_a_worker_behind_adopts_the_quorums_state_and_contributes_nothing():
+    engine, replica = engine_and_replica([])
+    donor = {
+        "tensors": [*(torch.full_like(p, 2.0) for p in engine.global_params)]
+        + [torch.zeros_like(p) for p in engine.global_params],
+        "meta": {"step": 8, "outer_steps": 4, "fragment_syncs": 4},
+    }
+    other = [torch.full((2, 3), 0.25), torch.full((2,), 0.25)]
+    engine.reducer.group.attempts = [{"others": flat(other, 1, 0), "commit": True, "heal": donor}]
+    record = sync(engine, replica)
+    assert torch.equal(engine.reducer.group.sent[0][-2:], torch.tensor([0.0, 1.0]))  # count 0, healed
+    assert torch.count_nonzero(engine.reducer.group.sent[0][:-2]) == 0
+    for p in engine.global_params:  # the donor's 2.0 minus the other member's mean alone
+        torch.testing.assert_close(p, torch.full_like(p, 1.75))
+    assert all(
+        torch.equal(p, g) for p, g in zip(replica.model.parameters(), engine.global_params, strict=True)
+    )
+    assert engine.progress.steps == 8 and engine.progress.fragment_syncs == 5 and replica.inner_steps == 8
+    assert record.fields["healed"] and record.fields["replicas_left_out"] == 0
+    assert engine.reducer.membership.heals == 1
+
+
+def test_compressed_members_decode_in_quorum_order_and_a_healed_one_is_not_left_out():
+    from muloco.compress import get_compressor
+    from muloco.sync.codec import PseudogradientCodec
+
+    engine, replica = engine_and_replica([])
+    names = ["weight", "bias"]
+    codec = PseudogradientCodec(names, [get_compressor("linear", 8, "row") for _ in names])
+    healed_member = bytes([1]) + pack([])
+    engine.reducer.group.attempts = [{"others": [healed_member], "commit": True}]
+    contribution_messages = [codec.encode([torch.full((2, 3), 0.5), torch.full((2,), 0.5)])]
+
+    from muloco.sync.reduce import Contribution
+
+    c = Contribution(0, 2, 1, engine.global_params, 10.0, None, contribution_messages, codec)
+    engine.reducer.group.form_quorum()
+    mean = engine.reducer._mean_compressed(c, healed=False)
+    assert mean.contributors == 1 and mean.left_out == 0
+    torch.testing.assert_close(mean.values[0], torch.full((2, 3), 0.5), atol=0.01, rtol=0)
+
+
+def test_a_quorum_that_never_forms_fails_the_run_after_the_retries():
+    engine, replica = engine_and_replica(["no quorum", "no quorum"], retries=1)
+    with pytest.raises(TrainingError, match="failed 2 times in a row"):
+        sync(engine, replica)
+    assert engine.reducer.membership.retried_syncs == 2
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("sync.overlap=1", "sync.overlap=0"),
+        ("sync.fragments=2", "sync.fragments=1"),
+        ("ranks_per_worker=2 train.micro_batch_tokens=128", "ranks_per_worker=1"),
+        ("sync.transport=reduce_scatter", "sync.transport=auto"),
+        ("method=dp", "method: diloco"),
+    ],
+)
+def test_what_a_torchft_worker_cannot_run_is_a_config_error(override, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config(CONFIG, ["backend.kind=torchft", "workers=4", *override.split()])
