@@ -29,6 +29,7 @@ def check_same_config(backend: Backend, fingerprint: str) -> None:
         return
     fingerprints = [p.decode() for p in backend.all_gather_bytes(fingerprint.encode()).wait()]
     if len(set(fingerprints)) > 1:
+        backend.barrier()  # every rank saw the mismatch: none closes its connections while another reads
         raise UserError(
             f"the config differs across ranks (fingerprints by rank: {', '.join(fingerprints)}); "
             "start every rank with the same config file and KEY=VALUE overrides"

@@ -4,7 +4,8 @@ DDP's fp32 ring all-reduce, for K = 2, 4, 8 gloo processes on loopback and K = 4
 Each worker holds a random pseudogradient shaped like the `small` GPT's parameters (10.8M) and, interleaved
 per repetition, runs one whole sync as the engine does: encode (statistical, row-wise), the reducer's
 collectives (CollectiveReducer over TorchDistBackend), decode and average. It reports the bytes the engine
-counts (what the ledger books) and the bytes that crossed the wire, headers included:
+counts (what the ledger books), the bytes that crossed the wire, headers included, and the TCP payload
+(the wire less 66 header bytes per packet):
 
 - loopback: the K processes run in one network namespace of their own (a 1-host testbed), so its `lo`
   carries nothing else; wire bytes per worker = lo's tx bytes / K;
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -34,6 +36,9 @@ from muloco.config import CompressionConfig
 
 OUT = Path(__file__).parent / "results" / "bench_transport.json"
 BITS = (8, 4, 2)
+# Per packet on lo and on the testbed's veth links: Ethernet 14 + IPv4 20 + TCP 20 + the timestamp
+# option 12 (RFC 7323, on by default in Linux).
+HEADER_BYTES = 14 + 20 + 20 + 12
 
 
 def default_mean_bits(bits: int) -> int:
@@ -85,9 +90,13 @@ def run_worker(args: argparse.Namespace) -> None:
             means = PseudogradientCodec.from_config(names, roles, wide_cfg).compressors
             codecs[f"reduce_scatter_{bits}bit_means{wide}"] = PartitionedCodec(codec, shapes, K, means)
 
-    def wire_bytes() -> int:
-        path = f"/sys/class/net/{args.iface}/statistics/tx_bytes"
-        return int(Path(path).read_text()) if args.iface else 0
+    def wire_counters() -> tuple[int, int, int]:
+        """(bytes, packets, bytes resent) the interface has sent; zeros without one."""
+        if not args.iface:
+            return 0, 0, 0
+        stats = Path(f"/sys/class/net/{args.iface}/statistics")
+        sent = int((stats / "tx_bytes").read_text()), int((stats / "tx_packets").read_text())
+        return *sent, resent_bytes()
 
     def one_sync(case: str) -> float:
         if case == "ddp_fp32":
@@ -104,19 +113,25 @@ def run_worker(args: argparse.Namespace) -> None:
     for rep in range(args.reps + 1):  # repetition 0 warms up
         for case in CASES:
             backend.barrier()
-            before = wire_bytes()
+            before = wire_counters()
             backend.barrier()  # nobody sends before every counter was read
             t0 = time.perf_counter()
             counted = one_sync(case)
             seconds = time.perf_counter() - t0
             backend.barrier()
-            wire = wire_bytes() - before
-            rows.append(
-                {"rep": rep, "case": case, "rank": rank, "s": seconds, "counted": counted, "wire": wire}
-            )
+            wire, packets, resent = (after - b for after, b in zip(wire_counters(), before, strict=True))
+            row = {"rep": rep, "case": case, "rank": rank, "s": seconds, "counted": counted}
+            rows.append({**row, "wire": wire, "packets": packets, "resent": resent})
     Path(args.worker_out).write_text(json.dumps(rows))
     backend.barrier()
     backend.close()
+
+
+def resent_bytes() -> int:
+    """TCP bytes retransmitted by the sockets of this network namespace (`ss`'s bytes_retrans). On a loaded
+    machine TCP's tail-loss probe resends a whole segment (up to 64 KiB on lo) when an ACK comes late."""
+    out = subprocess.run(["ss", "-tinH"], capture_output=True, text=True, timeout=30).stdout
+    return sum(int(m) for m in re.findall(r"bytes_retrans:(\d+)", out))
 
 
 # -- the parent: start the workers, gather and summarize -------------------------------------------------
@@ -182,9 +197,17 @@ def summarize(per_rank: list[list[dict]], K: int, link: str, loopback_shared: bo
         counted = statistics.mean(
             r["counted"] for rank in per_rank for r in rank if r["case"] == case and r["rep"] > 0
         )
-        wires = [r["wire"] for rank in per_rank for r in rank if r["case"] == case and r["rep"] > 0]
+        measured = [r for rank in per_rank for r in rank if r["case"] == case and r["rep"] > 0]
         # Loopback: every rank read the same lo counter, which carries all K workers' bytes.
-        wire = statistics.mean(wires) / (K if loopback_shared else 1) if any(wires) else None
+        share = K if loopback_shared else 1
+        wire = (
+            statistics.mean(r["wire"] for r in measured) / share if any(r["wire"] for r in measured) else None
+        )
+        packets = statistics.mean(r["packets"] for r in measured) / share if wire else None
+        resent = statistics.mean(r["resent"] for r in measured) / share if wire else None
+        # What TCP delivered: the wire less each packet's headers and less what it sent twice. Headers
+        # and resends grow on a loaded machine (more, smaller segments; late ACKs); this holds steady.
+        payload = wire - packets * HEADER_BYTES - resent if wire else None
         rows.append(
             {
                 "K": K,
@@ -193,6 +216,9 @@ def summarize(per_rank: list[list[dict]], K: int, link: str, loopback_shared: bo
                 "counted_mb": counted / 1e6,
                 "wire_mb": wire / 1e6 if wire is not None else None,
                 "wire_over_counted": wire / counted if wire else None,
+                "packets": packets,
+                "resent_mb": resent / 1e6 if wire else None,
+                "payload_over_counted": payload / counted if payload else None,
                 "sync_s": statistics.median(slowest),
                 "sync_s_min": min(slowest),
                 "sync_s_max": max(slowest),
@@ -211,19 +237,20 @@ def summarize(per_rank: list[list[dict]], K: int, link: str, loopback_shared: bo
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'K':>2} {'link':<12} {'case':<28} {'counted MB':>10} {'wire MB':>8} {'wire/cnt':>8} "
-        f"{'x fewer vs AG':>13} {'x vs DDP':>8} {'sync s (min-max)':>22}"
+        f"{'TCP/cnt':>8} {'x fewer vs AG':>13} {'x vs DDP':>8} {'sync s (min-max)':>22}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         wire = f"{r['wire_mb']:8.2f}" if r["wire_mb"] is not None else f"{'-':>8}"
         ratio = f"{r['wire_over_counted']:8.3f}" if r["wire_over_counted"] else f"{'-':>8}"
+        payload = f"{r['payload_over_counted']:8.3f}" if r["payload_over_counted"] else f"{'-':>8}"
         vs_ag = f"{r['bytes_vs_all_gather']:13.2f}" if "bytes_vs_all_gather" in r else f"{'-':>13}"
         vs_ddp = f"{r['bytes_vs_ddp_sync']:8.1f}" if "bytes_vs_ddp_sync" in r else f"{'-':>8}"
         spread = f"{r['sync_s']:.3f} ({r['sync_s_min']:.3f}-{r['sync_s_max']:.3f})"
         print(
-            f"{r['K']:>2} {r['link']:<12} {r['case']:<28} {r['counted_mb']:10.2f} {wire} {ratio} {vs_ag} "
-            f"{vs_ddp} {spread:>22}"
+            f"{r['K']:>2} {r['link']:<12} {r['case']:<28} {r['counted_mb']:10.2f} {wire} {ratio} "
+            f"{payload} {vs_ag} {vs_ddp} {spread:>22}"
         )
 
 

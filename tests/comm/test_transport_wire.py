@@ -1,5 +1,6 @@
 """The bytes the engine books for a sync are the bytes on the wire: K gloo processes in a network namespace
-of their own (nothing else on its loopback), one sync per transport, lo's tx bytes against the ledger's."""
+of their own (nothing else on its loopback), one sync per transport, lo's tx bytes (less TCP's headers and
+resends) against the ledger's."""
 
 import json
 import subprocess
@@ -23,7 +24,9 @@ def test_counted_bytes_equal_loopback_wire_bytes_within_headers(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
     for case, row in rows.items():
-        # TCP/IP headers (64 KiB loopback segments), gloo's framing, the barriers and the size exchanges:
-        # at most ~2% on these 0.4-5 MB syncs, never less than what was counted.
-        assert 1.0 <= row["wire_over_counted"] < 1.06, (case, row)
+        # What TCP delivered (the wire less headers and resends, which a loaded machine inflates by up to
+        # 6% here) is what was counted plus gloo's framing, the barriers and the size exchanges: at most
+        # ~1% on these 0.4-5 MB syncs, never less than what was counted.
+        assert 1.0 <= row["payload_over_counted"] < 1.03, (case, row)
+        assert row["wire_over_counted"] >= row["payload_over_counted"], (case, row)
     assert rows["reduce_scatter_2bit"]["bytes_vs_all_gather"] == pytest.approx(2.0, rel=0.05)
