@@ -45,7 +45,7 @@ from muloco.run_dir import prepare_run_dir, write_json_atomic, write_resolved_co
 from muloco.run_state import CommLedger, Progress, RngState, StateList, WanProjection
 from muloco.signals import EXIT_INTERRUPTED, StopRequest
 from muloco.summary import build_summary
-from muloco.sync import SyncEngine, SyncRecord, build_reducer
+from muloco.sync import Reducer, SyncEngine, SyncRecord, build_reducer
 from muloco.wan import Link
 
 log = logging.getLogger("muloco")
@@ -55,8 +55,21 @@ __all__ = ["EXIT_INTERRUPTED", "Trainer", "train"]
 
 class Trainer:
     def __init__(self, cfg: Config, backend: Backend | None = None) -> None:
-        self.cfg, K = cfg, cfg.workers
+        self.cfg = cfg
         self.backend = backend or build_backend(cfg)
+        self.reducer: Reducer | None = None
+        try:
+            self._set_up(cfg)
+        except BaseException:
+            # A set-up error ends the process: tear the connections down first (gloo aborts the process,
+            # "terminate called", when its threads are still up at exit).
+            self.backend.close()
+            if self.reducer is not None:
+                self.reducer.close()
+            raise
+
+    def _set_up(self, cfg: Config) -> None:
+        K = cfg.workers
         self.is_main = self.backend.rank == 0
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
@@ -252,12 +265,14 @@ class Trainer:
         for sync in finishing:
             self._log_sync(engine.finish(sync, self.replicas))
         for fragment in starting:
-            losses = progress.round_losses
+            losses, step = progress.round_losses, progress.steps
             loss_sum_count = (sum(losses), len(losses) if self.topology.is_lead else 0)
-            sync = engine.start(fragment, self.replicas, progress.steps, {"loss_sum_count": loss_sum_count})
+            sync = engine.start(fragment, self.replicas, step, {"loss_sum_count": loss_sum_count})
             progress.round_losses = []
             if sync.apply_step <= progress.steps:
                 self._log_sync(engine.finish(sync, self.replicas))
+            if (sync.fragment, sync.started_step) != (fragment, step):
+                break  # torchft: this worker adopted its quorum's state and step; the plan was for its own
 
     def _inner_steps(self, end: int) -> None:
         if self.batched:

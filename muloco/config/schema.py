@@ -137,18 +137,11 @@ class Config(Section):
         return self
 
     def _check_torchft(self) -> None:
-        """What an elastic torchft worker can run: syncs that finish where they start, because a worker
-        that rejoins adopts the others' state at a sync's quorum (muloco/sync/elastic.py)."""
+        """What an elastic torchft worker can run (muloco/sync/elastic.py)."""
         if self.method == "dp" or self.ranks_per_worker > 1:
             raise ValueError(
                 "backend.kind=torchft runs method: diloco with one process per worker (ranks_per_worker=1); "
                 "use backend.kind=torch for method: dp or workers of several ranks"
-            )
-        if self.sync.fragments > 1 or self.sync.overlap > 0:
-            raise ValueError(
-                "backend.kind=torchft syncs the whole model, at once, at every sync: a worker that rejoins "
-                "adopts the others' state at a sync's quorum, when it could be on another fragment than they "
-                "are or hold a sync in flight; set sync.fragments=1 and sync.overlap=0"
             )
         if self.sync.transport == "reduce_scatter":
             raise ValueError(

@@ -16,6 +16,11 @@ member's global parameters, outer momentum and step counters live during the quo
 transport), contributes nothing to that sync and applies its mean like the others: from there it holds
 the same global state, bit for bit. Its inner optimizer state is its own: fresh in a new process, or its
 own last checkpoint's when it resumed one (a peer's inner state belongs to another data shard).
+
+Streaming fragments: a quorum per fragment's sync. The healer joins the quorum's sync, whatever fragment
+it had planned (the donor serves the fragment and the apply step with its state). A sync in flight (tau > 0)
+exchanges on the reducer's thread while the inner steps go on and votes when its mean is due; if it failed
+it is dropped rather than retried, since the others may have moved on by then.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +63,7 @@ class Membership(Component):
     quorum_sizes: list[int] = field(default_factory=list)  # one per committed sync
     heals: int = 0  # syncs at which this worker adopted a peer's state
     retried_syncs: int = 0  # sync attempts that failed and were tried again
+    dropped_syncs: int = 0  # syncs in flight (tau > 0) that failed: not applied, not retried
 
     def summary(self) -> dict[str, Any]:
         sizes = self.quorum_sizes
@@ -65,6 +72,7 @@ class Membership(Component):
             "quorum_size_last": sizes[-1] if sizes else None,
             "heals": self.heals,
             "retried_syncs": self.retried_syncs,
+            "dropped_syncs": self.dropped_syncs,
         }
 
 
@@ -79,11 +87,17 @@ class ElasticReducer:
         self._state: SharedState | None = None
         self._replicas: list = []
         self._received: dict[str, Any] | None = None  # a peer's state, taken in during a quorum
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="muloco-torchft")  # syncs in flight
+        self._dropped_in_a_row = 0
+        self._syncing: Contribution | None = None  # the sync under way, whose fragment a healer joins
+        self._shapes: list[list[torch.Size]] = []
+        self._codecs: list[PseudogradientCodec] = []
 
     def local_replicas(self, workers: int) -> list[int]:
         return [self.index]
 
     def open(self, shapes_by_fragment: list[list[torch.Size]], codecs: list[PseudogradientCodec]) -> None:
+        self._shapes, self._codecs = shapes_by_fragment, codecs
         self.group = TorchftGroup(self.section, self.index, self._serve_state, self._receive_state)
 
     def join(self, state: SharedState, replicas: list, resumed: bool) -> None:
@@ -97,51 +111,113 @@ class ElasticReducer:
 
     # -- the state a healthy member serves and a healing one adopts ------------------------------------
     def _serve_state(self) -> dict[str, Any]:
+        """Served during this member's quorum, i.e. at the start of a sync. No other sync is in flight
+        then (tau < H / P: each is applied before the next starts), so the state is whole."""
         tensors, meta = self._state.export_state()
-        return {"tensors": [t.detach().cpu().clone() for t in tensors], "meta": dict(meta)}
+        syncing = self._syncing
+        apply_step = syncing.apply_step if syncing.apply_step is not None else syncing.step
+        meta = {**meta, "sync_fragment": syncing.fragment, "sync_apply_step": apply_step}
+        return {"tensors": [t.detach().cpu().clone() for t in tensors], "meta": meta}
 
     def _receive_state(self, received: dict[str, Any]) -> None:
         self._received = received
 
-    def _adopt_received(self) -> bool:
+    def _adopt_received(self, c: Contribution) -> Contribution | None:
+        """After a heal: the adopted state in place, and this worker's (empty) part of the quorum's sync,
+        which may be of another fragment than the one it planned."""
         if self._received is None:
-            return False
+            return None
         received, self._received = self._received, None
         meta = received["meta"]
         self._state.adopt_state(received["tensors"], meta, self._replicas)
         self.membership.heals += 1
+        fragment = meta["sync_fragment"]
         log.warning(
-            "torchft: worker=%d adopted the quorum's state live: step=%d outer_steps=%d (its contribution "
-            "to this sync is left out)",
-            *(self.index, meta["step"], meta["outer_steps"]),
+            "torchft: worker=%d adopted the quorum's state live: step=%d outer_steps=%d, joining its sync "
+            "of fragment %d (its own contribution is left out)",
+            *(self.index, meta["step"], meta["outer_steps"], fragment),
         )
-        return True
+        template = c.like[0]
+        like = [torch.zeros(s, dtype=template.dtype, device=template.device) for s in self._shapes[fragment]]
+        codec = self._codecs[fragment] if self._codecs else None
+        payload = 4.0 * sum(t.numel() for t in like) if codec is None else 0.0
+        step, apply_step = meta["step"], meta["sync_apply_step"]
+        return Contribution(fragment, step, 0, like, payload, None, [], codec, apply_step=apply_step)
 
     # -- a sync ---------------------------------------------------------------------------------------
     def start_mean(self, contribution: Contribution) -> PendingMean:
-        """Quorum, heal if behind, collectives, commit vote; a failed attempt is retried in a new quorum."""
+        """Quorum (a worker behind adopts a member's state), then the collectives and the commit vote. A
+        sync applied at once is retried in a new quorum when it fails. One applied tau steps later
+        (Streaming DiLoCo) exchanges on the reducer's thread while the inner steps go on and votes when it
+        is waited for; if it failed it is dropped, not retried: the others may have moved on by then."""
         c, attempts = contribution, self.section.quorum_retries + 1
         healed, sent = False, 0.0  # once healed, its contribution (made before the heal) stays out
         for attempt in range(1, attempts + 1):
+            self._syncing = c
             try:
                 self.group.form_quorum()
             except QuorumFailed as exc:
                 self._retrying(c, attempt, attempts, f"no quorum ({exc})")
                 continue
-            healed = self._adopt_received() or healed
-            size = self.group.size
-            mean = self._mean_uncompressed(c, healed) if c.codec is None else self._mean_compressed(c, healed)
+            joined = self._adopt_received(c)
+            if joined is not None:
+                c, healed = joined, True
+            if c.apply_step is not None and c.apply_step > c.step:
+                return self._in_background(c, healed, sent)
+            mean = self._exchange(c, healed)
             sent += mean.bytes_sent  # a failed attempt's bytes were sent too
             if self.group.commit():
-                self.membership.quorum_sizes.append(size)
-                mean.bytes_sent = sent
-                mean.details = {"quorum_size": size, "quorum_id": self.group.quorum_id, "healed": healed}
-                return PendingMean.completed(mean)
-            self._retrying(c, attempt, attempts, f"quorum {self.group.quorum_id} of {size} failed")
+                pending = PendingMean.completed(self._committed(mean, healed, sent))
+                pending.moved_to = c if healed else None
+                return pending
+            self._retrying(c, attempt, attempts, f"quorum {self.group.quorum_id} of {self.group.size} failed")
         raise TrainingError(
             f"torchft: the sync at step {c.step} failed {attempts} times in a row (backend.torchft."
             "quorum_retries); check the lighthouse and the other workers' logs"
         )
+
+    def _exchange(self, c: Contribution, healed: bool) -> Mean:
+        return self._mean_uncompressed(c, healed) if c.codec is None else self._mean_compressed(c, healed)
+
+    def _in_background(self, c: Contribution, healed: bool, sent: float) -> PendingMean:
+        """The collectives on the reducer's thread; the vote (on the caller's) when the mean is waited for.
+        A sync that failed is dropped: the replicas keep their drift, which the fragment's next sync
+        carries, and a member that missed a sync the others committed adopts their state at the next
+        quorum (its sync count is behind theirs)."""
+
+        def vote(mean: Mean) -> Mean:
+            if self.group.commit():
+                return self._committed(mean, healed, sent + mean.bytes_sent)
+            return self._dropped(c, healed, sent + mean.bytes_sent)
+
+        pending = PendingMean(_Background(self._thread.submit(self._exchange, c, healed)), vote)
+        pending.moved_to = c if healed else None
+        return pending
+
+    def _committed(self, mean: Mean, healed: bool, sent: float) -> Mean:
+        size = self.group.size
+        self.membership.quorum_sizes.append(size)
+        self._dropped_in_a_row = 0
+        mean.bytes_sent = sent
+        mean.details = {"quorum_size": size, "quorum_id": self.group.quorum_id, "healed": healed}
+        return mean
+
+    def _dropped(self, c: Contribution, healed: bool, sent: float) -> Mean:
+        self.membership.dropped_syncs += 1
+        self._dropped_in_a_row += 1
+        size, quorum_id = self.group.size, self.group.quorum_id
+        if self._dropped_in_a_row > self.section.quorum_retries:
+            raise TrainingError(
+                f"torchft: {self._dropped_in_a_row} syncs in a row failed (backend.torchft.quorum_retries); "
+                "check the other workers' logs"
+            )
+        log.warning(
+            "torchft: sync of fragment %d started at step %d failed in quorum %d of %d: dropped (the "
+            "replicas keep their drift for the fragment's next sync)",
+            *(c.fragment, c.step, quorum_id, size),
+        )
+        details = {"quorum_size": size, "quorum_id": quorum_id, "healed": healed, "dropped": True}
+        return Mean(None, 0, 0, sent, details, dropped=True)
 
     def _retrying(self, c: Contribution, attempt: int, attempts: int, why: str) -> None:
         self.membership.retried_syncs += 1
@@ -196,5 +272,16 @@ class ElasticReducer:
         pass  # a worker behind is healed at the next quorum
 
     def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
         if self.group is not None:
             self.group.close()
+
+
+class _Background:
+    """A handle on collectives running on the reducer's thread."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def wait(self) -> Mean:
+        return self.future.result()

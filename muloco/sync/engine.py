@@ -243,6 +243,7 @@ class SyncEngine:
         payload = (
             4.0 * numel if codec is None else (sum(map(len, messages)) / len(messages) if messages else 0.0)
         )
+        delay = self.delay(step) if delay is None else delay
         with record_function("muloco::reduce"):
             contribution = Contribution(
                 fragment,
@@ -256,12 +257,24 @@ class SyncEngine:
                 self.owner_feedback,
                 self.aggregate,
                 self.trim,
+                step + delay,
             )
             pending = self.reducer.start_mean(contribution)
+        if pending.moved_to is not None:
+            # This worker was behind the quorum (torchft) and adopted a member's state, replicas and step
+            # included: the sync is the quorum's (its fragment, start and apply steps), without this
+            # worker's pseudogradients.
+            moved = pending.moved_to
+            fragment, step, delay = moved.fragment, moved.step, moved.apply_step - moved.step
+            like, norms, unit_sum, payload = (
+                [self.outer.params[i] for i in self.fragments[fragment]],
+                [],
+                None,
+                0.0,
+            )
         self.ledger.count(pending.bytes_sent)  # collectives: known now (a swarm's when its group is)
         if payload:
             self.ledger.payload_by_fragment[fragment] = payload
-        delay = self.delay(step) if delay is None else delay
         if self.wan is not None and self.wan.link is not None:
             K = self.reducer.workers or 1
             self.wan.project(sync_seconds(self.wan.link, payload, K, self.transport), delay)
@@ -306,6 +319,12 @@ class SyncEngine:
         mean: Mean = sync.result.wait()
         self.ledger.comm_wait_s += time.perf_counter() - t0
         self.in_flight.remove(sync)
+        if mean.dropped:
+            # The reducer gave the sync up: no outer step, nothing counted, and the replicas keep their
+            # drift, which the fragment's next sync carries.
+            self.ledger.count(mean.bytes_sent)
+            self.unsynced[sync.fragment] = True
+            return self._record(sync, mean, None, 0)
         indices = self.fragments[sync.fragment]
 
         # Outer Nesterov step on the fragment's fp32 global parameters (its own momentum buffers). Never
@@ -333,6 +352,11 @@ class SyncEngine:
         if self.observer is not None:
             self.observer.restart_from(self.outer.params)
 
+        record = self._record(sync, mean, update_norm, left_out)
+        self.reducer.after_sync(self, mean, replicas)
+        return record
+
+    def _record(self, sync: InFlightSync, mean: Mean, update_norm: float | None, left_out: int) -> SyncRecord:
         stats = sync.stats
         fields = {
             "pseudograd_cosine": stats["pseudograd_cosine"],
@@ -346,11 +370,9 @@ class SyncEngine:
             **mean.details,
         }
         sums = {k: tuple(v) for k, v in stats.items() if k.endswith("_sum_count")}
-        record = SyncRecord(
+        return SyncRecord(
             sync.fragment, sync.started_step, self.progress.steps, self.progress.outer_steps, fields, sums
         )
-        self.reducer.after_sync(self, mean, replicas)
-        return record
 
     # -- joining and leaving the run, shared state (a swarm joiner's catch-up) ------------------------
     def join(self, replicas: list, resumed: bool) -> None:
@@ -376,6 +398,7 @@ class SyncEngine:
         for replica in replicas:
             replica.load_global(self.outer.params)
             replica.inner_steps = p.steps
+        self.unsynced = [False] * len(self.fragments)  # the replicas hold no steps of their own yet
         # Error-feedback residuals were left by messages encoded from the old global parameters.
         for ef in (*self.error_feedback, *self.owner_feedback):
             if ef is not None:

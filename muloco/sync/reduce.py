@@ -51,6 +51,7 @@ class Contribution:
     owner_feedback: list[ErrorFeedback | None] = field(default_factory=list)  # per local replica (owner)
     aggregate: str = "mean"  # sync.aggregate (aggregate.py): a robust rule needs the messages (codec)
     trim: int = 1  # sync.trim, for trimmed_mean
+    apply_step: int | None = None  # when the mean is applied (step + tau); a torchft healer applies it then
 
 
 @dataclass
@@ -60,6 +61,9 @@ class Mean:
     left_out: int  # replicas (or swarm peers) whose contribution is not in the mean
     bytes_sent: float = 0.0  # what this worker sent for the sync, known once it is done (a swarm's group)
     details: dict[str, Any] = field(default_factory=dict)  # reducer-specific log fields (e.g. group_size)
+    # The reducer gave the sync up (torchft: a sync in flight whose collectives failed was not committed):
+    # nothing to apply, and the replicas keep their drift for the fragment's next sync.
+    dropped: bool = False
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -68,6 +72,7 @@ class Mean:
             "left_out": self.left_out,
             "bytes_sent": self.bytes_sent,
             "details": self.details,
+            "dropped": self.dropped,
         }
 
 
@@ -79,6 +84,9 @@ class PendingMean:
         self._handle, self._finish = handle, finish
         self._result: Mean | None = None
         self.bytes_sent = bytes_sent
+        # Set when the reducer moved the sync: a torchft worker behind its quorum adopted a member's state
+        # and joined the quorum's sync instead (its fragment, start and apply steps; nothing of its own).
+        self.moved_to: Contribution | None = None
 
     def wait(self) -> Mean:
         if self._result is None:

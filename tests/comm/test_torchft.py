@@ -25,6 +25,10 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 QS = str(ROOT / "configs/quickstart.yaml")
 STAT4_EF = ["compression.scheme=statistical", "compression.bits=4", "compression.error_feedback=true"]
+STREAMING = [
+    "sync.fragments=2",
+    "sync.overlap=1",
+]  # fragment 0 syncs at steps 3, 6, ..., fragment 1 at 1, 4, ...
 
 
 def common(tmp_path, TINY, outer_steps=8, every=3):
@@ -45,8 +49,9 @@ def common(tmp_path, TINY, outer_steps=8, every=3):
         ("muon", ["inner.ns_dtype=fp32"], 1e-6),
         # Compressed: every member decodes every message in the same order as the torch ranks.
         ("muon", [*STAT4_EF, "sync.transport=all_gather"], 0.0),
+        ("adamw", STREAMING, 1e-6),  # a quorum per fragment's sync, applied tau = 1 steps later
     ],
-    ids=["adamw-fp32", "muon-fp32", "muon-statistical4-ef"],
+    ids=["adamw-fp32", "muon-fp32", "muon-statistical4-ef", "adamw-streaming"],
 )
 def test_three_workers_equal_the_torch_backend(tmp_path, TINY, inner, compression, rtol):
     overrides = [*common(tmp_path, TINY), f"inner.optimizer={inner}", *compression]
@@ -57,9 +62,11 @@ def test_three_workers_equal_the_torch_backend(tmp_path, TINY, inner, compressio
     torch_run = run_muloco("launch", "--nproc", 3, QS, *overrides, "run.name=torch", timeout=240)
     assert torch_run.returncode == 0, torch_run.stderr[-3000:]
     reference = final_global_params(tmp_path / "torch")
+    syncs = len(sync_records(tmp_path / "torch"))
+    assert syncs == (8 if compression != STREAMING else 17)  # streaming: 2 per outer step, 1 at the end
     for i in range(3):
         run_dir = tmp_path / f"ft-worker{i}"
-        assert [r["quorum_size"] for r in sync_records(run_dir)] == [3] * 8
+        assert [r["quorum_size"] for r in sync_records(run_dir)] == [3] * syncs
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["quorum_size_min"] == 3 and summary["heals"] == 0
         for a, b in zip(final_global_params(run_dir), reference, strict=True):
@@ -80,8 +87,9 @@ def _kill_worker(launcher, rank: int) -> None:
     next(c for c in workers if c.environ().get("RANK") == str(rank)).kill()
 
 
-def test_a_killed_worker_does_not_stop_the_others(tmp_path, TINY):
-    overrides = [*common(tmp_path, TINY), "backend.torchft.heartbeat_timeout_s=2", "run.name=ft"]
+@pytest.mark.parametrize("sync", [[], STREAMING], ids=["whole-model", "streaming"])
+def test_a_killed_worker_does_not_stop_the_others(tmp_path, TINY, sync):
+    overrides = [*common(tmp_path, TINY), *sync, "backend.torchft.heartbeat_timeout_s=2", "run.name=ft"]
     launcher = start_muloco("launch", "--nproc", 3, "--backend", "torchft", QS, *overrides)
     try:
         _wait_for_syncs(tmp_path / "ft-worker2", 2)
@@ -95,17 +103,23 @@ def test_a_killed_worker_does_not_stop_the_others(tmp_path, TINY):
     for i in (0, 1):
         run_dir = tmp_path / f"ft-worker{i}"
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["status"] == "completed" and summary["outer_steps"] == 8
+        records = sync_records(run_dir)
+        assert summary["status"] == "completed" and len(records) == (17 if sync else 8)
+        # A sync applied at once that the victim died in is retried without it; one in flight is dropped.
+        assert summary["dropped_syncs"] == 0 or sync
+        assert summary["outer_steps"] == (len(records) - summary["dropped_syncs"]) // (2 if sync else 1)
         assert summary["quorum_size_min"] == 2 and summary["quorum_size_last"] == 2
-        sizes = [r["quorum_size"] for r in sync_records(run_dir)]
-        assert sizes[:2] == [3, 3] and sizes[-1] == 2  # (a sync the victim died in is retried without it)
+        sizes = [r["quorum_size"] for r in records]
+        assert sizes[:2] == [3, 3] and sizes[-1] == 2
     assert_same_global_params(tmp_path / "ft-worker0", tmp_path / "ft-worker1")
 
 
-def test_a_restarted_worker_recovers_the_state_live_and_ends_equal(tmp_path, TINY):
+@pytest.mark.parametrize("sync", [[], STREAMING], ids=["whole-model", "streaming"])
+def test_a_restarted_worker_recovers_the_state_live_and_ends_equal(tmp_path, TINY, sync):
     # The lighthouse drops the victim after the heartbeat timeout; its replacement, started at once,
     # heartbeats before that, so the survivors' next quorum waits for it (the join timeout): it joins then.
-    overrides = [*common(tmp_path, TINY), "backend.torchft.heartbeat_timeout_s=15", "run.name=ft"]
+    # Streaming: the replacement plans its first sync for its own step's fragment and joins the quorum's.
+    overrides = [*common(tmp_path, TINY), *sync, "backend.torchft.heartbeat_timeout_s=15", "run.name=ft"]
     launcher = start_muloco("launch", "--nproc", 3, "--backend", "torchft", QS, *overrides)
     replacement = None
     try:
@@ -131,6 +145,10 @@ def test_a_restarted_worker_recovers_the_state_live_and_ends_equal(tmp_path, TIN
     assert len(adopted) == 1 and "step=0 " not in adopted[0]
     records = sync_records(tmp_path / "back")
     assert records[0]["healed"] and records[0]["quorum_size"] == 3 and records[-1]["step"] == 24
+    if sync:  # its first sync is the quorum's: the fragment and step the others synced
+        survivor = {(r["fragment"], r["started_step"]) for r in sync_records(tmp_path / "ft-worker0")}
+        assert (records[0]["fragment"], records[0]["started_step"]) in survivor
+        assert f"joining its sync of fragment {records[0]['fragment']} " in adopted[0]
     assert json.loads((tmp_path / "back" / "summary.json").read_text())["heals"] == 1
     assert_same_global_params(tmp_path / "ft-worker0", tmp_path / "ft-worker1", tmp_path / "back")
 

@@ -58,19 +58,24 @@ class FakeGroup:
         pass
 
 
-def engine_and_replica(attempts, retries=3):
+def engine_and_replica(attempts, retries=3, sync=None):
     torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
+    model = (
+        torch.nn.Linear(3, 2)
+        if sync is None
+        else torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    )
 
     class Reducer(ElasticReducer):
         def open(self, shapes, codecs):
+            self._shapes, self._codecs = shapes, codecs
             self.group = FakeGroup(attempts, self._receive_state)
 
     section = TorchftBackendConfig(replica_id=0, quorum_retries=retries)
     engine = SyncEngine(
         model,
         Reducer(section, workers=2),
-        sync=SyncConfig(every=2),
+        sync=sync or SyncConfig(every=2),
         outer=OuterConfig(lr=1.0, momentum=0.0, nesterov=False),  # the outer step applies the mean as is
         compression=None,
         local_replicas=1,
@@ -117,7 +122,7 @@ def test_a_worker_behind_adopts_the_quorums_state_and_contributes_nothing():
     donor = {
         "tensors": [*(torch.full_like(p, 2.0) for p in engine.global_params)]
         + [torch.zeros_like(p) for p in engine.global_params],
-        "meta": {"step": 8, "outer_steps": 4, "fragment_syncs": 4},
+        "meta": {"step": 8, "outer_steps": 4, "fragment_syncs": 4, "sync_fragment": 0, "sync_apply_step": 8},
     }
     other = [torch.full((2, 3), 0.25), torch.full((2,), 0.25)]
     engine.reducer.group.attempts = [{"others": flat(other, 1, 0), "commit": True, "heal": donor}]
@@ -132,6 +137,63 @@ def test_a_worker_behind_adopts_the_quorums_state_and_contributes_nothing():
     assert engine.progress.steps == 8 and engine.progress.fragment_syncs == 5 and replica.inner_steps == 8
     assert record.fields["healed"] and record.fields["replicas_left_out"] == 0
     assert engine.reducer.membership.heals == 1
+
+
+def test_a_healed_worker_joins_the_quorums_sync_of_another_fragment_at_its_step():
+    # Streaming (P = 2, tau = 1): this worker planned fragment 0 at its step 2; the quorum syncs fragment 1
+    # at step 6 (blocks "0." and "1." are fragments 0 and 1).
+    engine, replica = engine_and_replica([], sync=SyncConfig(every=4, fragments=2, overlap=1))
+    donor_params = [torch.full_like(p, 2.0) for p in engine.global_params]
+    donor = {
+        "tensors": donor_params + [torch.zeros_like(p) for p in engine.global_params],
+        "meta": {"step": 6, "outer_steps": 1, "fragment_syncs": 3, "sync_fragment": 1, "sync_apply_step": 7},
+    }
+    other = [torch.full((2, 2), 0.25), torch.full((2,), 0.25)]  # fragment 1's shapes
+    engine.reducer.group.attempts = [{"others": flat(other, 1, 0), "commit": True, "heal": donor}]
+    with torch.no_grad():
+        for p in replica.model.parameters():
+            p.sub_(0.5)
+    replica.inner_steps = engine.progress.steps = 2
+    started = engine.start(0, [replica], 2, {"loss_sum_count": (0.0, 1)})
+    assert (started.fragment, started.started_step, started.apply_step) == (1, 6, 7)
+    engine.progress.steps = replica.inner_steps = 7  # tau inner steps later (none taken here)
+    record = engine.finish(started, [replica])
+    sent = engine.reducer.group.sent[0]
+    assert sent.numel() == 4 + 2 + 2 and torch.equal(sent, flat([torch.zeros(2, 2), torch.zeros(2)], 0, 1))
+    fragment0, fragment1 = engine.global_params[:2], engine.global_params[2:]
+    assert all(torch.equal(p, torch.full_like(p, 2.0)) for p in fragment0)  # the donor's, untouched
+    for p in fragment1:  # the donor's 2.0 minus the other member's mean alone
+        torch.testing.assert_close(p, torch.full_like(p, 1.75))
+    assert record.fragment == 1 and record.fields["healed"] and engine.progress.fragment_syncs == 4
+    assert engine.unsynced == [False, False]  # the replicas restarted from the adopted state
+
+
+def test_a_sync_in_flight_exchanges_in_the_background_and_a_failed_one_is_dropped():
+    # tau = 1: the collectives run on the reducer's thread, the vote comes when the mean is waited for.
+    attempts = [{"others": None, "commit": False}, {"others": None, "commit": False}]
+    engine, replica = engine_and_replica(
+        attempts, retries=1, sync=SyncConfig(every=4, fragments=2, overlap=1)
+    )
+    start = [p.clone() for p in engine.global_params]
+    with torch.no_grad():
+        for p in replica.model.parameters():
+            p.sub_(0.5)
+    local = [p.clone() for p in replica.model.parameters()]
+    replica.inner_steps = engine.progress.steps = 4
+    started = engine.start(0, [replica], 4, {"loss_sum_count": (0.0, 1)})
+    assert (started.fragment, started.apply_step) == (0, 5)
+    engine.progress.steps = replica.inner_steps = 5
+    record = engine.finish(started, [replica])
+    # Dropped: no outer step, not counted, the replica keeps its drift for the fragment's next sync.
+    assert all(torch.equal(a, b) for a, b in zip(start, engine.global_params, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(local, replica.model.parameters(), strict=True))
+    assert engine.progress.fragment_syncs == 0 and engine.unsynced[0]
+    assert record.fields["dropped"] and engine.reducer.membership.dropped_syncs == 1
+    # A second failure in a row is more than quorum_retries=1 allows: the run fails with one line.
+    engine.progress.steps = replica.inner_steps = 6
+    again = engine.start(1, [replica], 6, {"loss_sum_count": (0.0, 1)})
+    with pytest.raises(TrainingError, match="2 syncs in a row failed"):
+        engine.finish(again, [replica])
 
 
 def test_compressed_members_decode_in_quorum_order_and_a_healed_one_is_not_left_out():
@@ -164,8 +226,6 @@ def test_a_quorum_that_never_forms_fails_the_run_after_the_retries():
 @pytest.mark.parametrize(
     "override, field",
     [
-        ("sync.overlap=1", "sync.overlap=0"),
-        ("sync.fragments=2", "sync.fragments=1"),
         ("ranks_per_worker=2 train.micro_batch_tokens=128", "ranks_per_worker=1"),
         ("sync.transport=reduce_scatter", "sync.transport=auto"),
         ("method=dp", "method: diloco"),
