@@ -140,7 +140,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from muloco.launch import launch
 
     cfg = load_config(args.config, args.overrides)  # fail here, once, rather than in every rank
-    return launch(args.nproc, args.config, args.overrides, args.backend, cfg.run.name, cfg.backend.torchft)
+    return launch(
+        args.nproc,
+        args.config,
+        args.overrides,
+        args.backend,
+        cfg.run.name,
+        cfg.backend.torchft,
+        cfg.ranks_per_worker,
+    )
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

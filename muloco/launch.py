@@ -7,9 +7,12 @@ wait for it.
 hivemind: a local swarm. Peer 0 starts a new swarm; once it prints its multiaddrs the others join it
 (`backend.hivemind.initial_peers`). Each peer is a run of its own (`run.name=<name>-peer<i>`, data shard i).
 Peers are independent: one that fails does not stop the others, which go on without it.
-torchft: the launcher starts a torchft lighthouse on loopback, then N workers (`run.name=<name>-worker<i>`,
-data shard i) that find it through backend.torchft.lighthouse. Like hivemind peers they are independent:
-one that exits is reported, with the command that brings it back, and the others go on.
+torchft: the launcher starts a torchft lighthouse on loopback (unless backend.torchft.lighthouse names a
+running one), then N / R workers of R = ranks_per_worker processes each (`run.name=<name>-worker<i>`, data
+shard i, i from backend.torchft.replica_id, default 0), that find it through backend.torchft.lighthouse;
+the R ranks of a worker are a torch.distributed world of their own (their own MASTER_PORT). Like hivemind
+peers the workers are independent: one that exits is reported (its other ranks are ended), with the command
+that brings it back, and the others go on.
 
 Each line a process prints is prefixed with its rank. Ctrl+C / SIGTERM are forwarded to every process. The
 launcher exits with the first failed process's exit code, after repeating its last error line.
@@ -57,12 +60,21 @@ def launch(
     backend: str = "torch",
     run_name: str = "run",
     torchft_section=None,
+    ranks_per_worker: int = 1,
 ) -> int:
     if nproc < 1:
         print(f"muloco: error: --nproc must be >= 1, got {nproc}", file=sys.stderr)
         return 2
-    lighthouse = None
-    if backend == "torchft":
+    R = ranks_per_worker if backend == "torchft" else 1  # torch: the trainer splits its world itself
+    if nproc % R:
+        print(
+            f"muloco: error: --nproc ({nproc}) must be a multiple of ranks_per_worker ({R})", file=sys.stderr
+        )
+        return 2
+    lighthouse, lighthouse_addr = None, None
+    if backend == "torchft" and torchft_section.lighthouse:  # join a running job's lighthouse
+        lighthouse_addr = torchft_section.lighthouse
+    elif backend == "torchft":
         try:
             lighthouse, lighthouse_addr = start_lighthouse(torchft_section)
         except ImportError:
@@ -71,7 +83,9 @@ def launch(
             )
             return 2
         print(f"muloco: torchft lighthouse at {lighthouse_addr}", file=sys.stderr, flush=True)
-    port = free_port()
+    first_worker = (torchft_section.replica_id or 0) if backend == "torchft" else 0
+    # torch: one world; torchft: a world per worker (each process one, unless a worker has R ranks).
+    ports = [free_port() for _ in range(nproc // R)] if R > 1 else [free_port()] * nproc
     procs: list[subprocess.Popen] = []
     tails: list[deque] = []
     threads = []
@@ -88,22 +102,26 @@ def launch(
                     print(f"muloco: error: peer 0 did not start a swarm: {last}", file=sys.stderr)
                     return 1
                 extra.append(f"backend.hivemind.initial_peers={json.dumps(swarm_maddrs)}")
+        worker = first_worker + rank // R
         if backend == "torchft":
             extra = [
-                f"run.name={run_name}-worker{rank}",
+                f"run.name={run_name}-worker{worker}",
                 f"backend.torchft.lighthouse={lighthouse_addr}",
-                f"backend.torchft.replica_id={rank}",
-                f"backend.torchft.wait_for_workers={nproc}",
-                "backend.torchft.hostname=127.0.0.1",  # all on loopback
+                f"backend.torchft.replica_id={worker}",
             ]
+            if lighthouse is not None:  # a job on loopback; its first quorum waits for these workers
+                extra += [
+                    "backend.torchft.hostname=127.0.0.1",
+                    f"backend.torchft.wait_for_workers={nproc // R}",
+                ]
         env = {
             **os.environ,
-            "RANK": str(rank),
+            "RANK": str(rank % R if R > 1 else rank),
             "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(nproc),
+            "WORLD_SIZE": str(R if R > 1 else nproc),
             "LOCAL_WORLD_SIZE": str(nproc),
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            "MASTER_PORT": str(ports[rank // R]),
             "PYTHONUNBUFFERED": "1",
         }
         if "OMP_NUM_THREADS" not in os.environ:
@@ -147,9 +165,17 @@ def launch(
                     failed_rank = rank
                     if not independent:
                         end_processes(procs)
-                if code not in (None, 0) and backend == "torchft" and rank not in reported and not forwarded:
-                    reported.add(rank)
-                    _report_torchft_exit(rank, code, config, overrides, run_name, lighthouse_addr)
+                worker = rank // R
+                if (
+                    code not in (None, 0)
+                    and backend == "torchft"
+                    and worker not in reported
+                    and not forwarded
+                ):
+                    reported.add(worker)
+                    end_processes(procs[worker * R : (worker + 1) * R])  # a worker is all its ranks or none
+                    index = first_worker + worker
+                    _report_torchft_exit(index, code, config, overrides, run_name, lighthouse_addr, R)
             time.sleep(0.1)
     finally:
         end_processes(procs)
@@ -187,24 +213,30 @@ def start_lighthouse(section):
 
 
 def _report_torchft_exit(
-    rank: int, code: int, config: str, overrides: list[str], run_name: str, lighthouse: str
+    worker: int, code: int, config: str, overrides: list[str], run_name: str, lighthouse: str, ranks: int
 ) -> None:
     """A torchft worker exited: the others go on; say how to bring it back (it rejoins live)."""
-    back = shlex.join(
-        [
-            "muloco train",
+    # As this launcher's workers: on loopback, at its lighthouse, under the worker's index.
+    where = [f"backend.torchft.lighthouse={lighthouse}", f"backend.torchft.replica_id={worker}"]
+    where.append("backend.torchft.hostname=127.0.0.1")
+    if ranks == 1:
+        command = ["muloco", "train", config, *overrides, "backend.kind=torchft"]
+        command += [f"run.name={run_name}-worker{worker}", *where]
+    else:  # its R ranks, joining this lighthouse (the launcher names the run and wires the ranks)
+        command = [
+            "muloco",
+            "launch",
+            "--backend",
+            "torchft",
+            "--nproc",
+            str(ranks),
             config,
             *overrides,
-            "backend.kind=torchft",
-            f"run.name={run_name}-worker{rank}",
-            f"backend.torchft.lighthouse={lighthouse}",
-            f"backend.torchft.replica_id={rank}",
-            "backend.torchft.hostname=127.0.0.1",
+            *where,
         ]
-    )
     print(
-        f"muloco: worker {rank} exited with code {code}; the others go on without it. To bring it back "
-        f"(it rejoins at the next sync with the run's state): {back}",
+        f"muloco: worker {worker} exited with code {code}; the others go on without it. To bring it back "
+        f"(it rejoins at the next sync with the run's state): {shlex.join(command)}",
         file=sys.stderr,
         flush=True,
     )

@@ -7,6 +7,11 @@ one whole sync through each reducer as the engine calls it (`start_mean(...).wai
 includes forming the quorum and the commit vote), interleaved per repetition: fp32 and statistical 4-bit
 row-wise with error feedback. Median over repetitions of the slowest rank, the ratio per repetition.
 
+The `_inflight` cases are Streaming DiLoCo's syncs in flight (applied tau = 1 steps later): the sync is
+started, then the process sleeps OVERLAP_S (the inner steps, idle here so that nothing competes with the
+exchange) and waits for the mean. Their times are what is left exposed: encoding and the start (torchft:
+the quorum) plus the wait after the overlap.
+
 Part 2, failure (`--part failure`): `muloco launch --backend torchft --nproc 3` on a tiny model; SIGKILL
 worker 2 after its second sync, time from the kill to the survivors' next completed sync; then restart it
 (`muloco train ... backend.torchft.replica_id=2`) and time from the restart to its first sync with them.
@@ -32,7 +37,8 @@ import torch
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES = ["fp32", "4bit"]
+CASES = ["fp32", "4bit", "fp32_inflight", "4bit_inflight"]
+OVERLAP_S = 0.5  # the inner steps a sync in flight overlaps (idle here: what is left exposed is the cost)
 BACKENDS = ["torch", "torchft"]
 
 
@@ -80,15 +86,22 @@ def sync_worker(rank: int, nproc: int, port: int, lighthouse: str, reps: int, th
         for case in CASES:
             for name, reducer in reducers.items():
                 backend.barrier()
+                inflight = case.endswith("_inflight")
+                apply_step = rep + 1 if inflight else rep  # in flight: applied tau = 1 steps later
                 t0 = time.perf_counter()
-                if case == "fp32":
+                if case.startswith("fp32"):
                     c = Contribution(0, rep, 1, like, 4.0 * numel, [d.clone() for d in delta])
                 else:
                     message = codec.encode(delta, feedback)
                     c = Contribution(0, rep, 1, like, float(len(message)), None, [message], codec)
+                c.apply_step = apply_step
                 pending = reducer.start_mean(c)
+                exposed = time.perf_counter() - t0
+                if inflight:
+                    time.sleep(OVERLAP_S)  # the inner steps go on meanwhile
+                t1 = time.perf_counter()
                 mean = pending.wait()
-                elapsed = time.perf_counter() - t0
+                elapsed = exposed + time.perf_counter() - t1  # what the inner steps waited for
                 assert mean.contributors == nproc, (name, case, mean.contributors)
                 sent[f"{name}/{case}"] = mean.bytes_sent or pending.bytes_sent  # collectives book at start
                 if rep > 0:
@@ -134,7 +147,7 @@ def run_sync_part(args) -> dict:
         f"\none sync through the reducer, {args.nproc} gloo processes on loopback, "
         f"{results[0]['params'] / 1e6:.1f}M parameters, median of {args.reps} interleaved (min-max)"
     )
-    print(f"{'case':<8}{'torch ms':>20}{'torchft ms':>22}{'torchft / torch':>22}{'MB sent/rank':>16}")
+    print(f"{'case':<15}{'torch ms':>20}{'torchft ms':>22}{'torchft / torch':>22}{'MB sent/rank':>16}")
     for case in CASES:
         t, ft = slowest[f"torch/{case}"], slowest[f"torchft/{case}"]
         ratios = [b / a for a, b in zip(t, ft, strict=True)]
@@ -151,7 +164,7 @@ def run_sync_part(args) -> dict:
         rows.append(row)
         (t_lo, t_hi), (ft_lo, ft_hi) = row["torch_ms_range"], row["torchft_ms_range"]
         print(
-            f"{case:<8}{row['torch_ms']:>8.1f} ({t_lo:.0f}-{t_hi:.0f})"
+            f"{case:<15}{row['torch_ms']:>8.1f} ({t_lo:.0f}-{t_hi:.0f})"
             f"{row['torchft_ms']:>10.1f} ({ft_lo:.0f}-{ft_hi:.0f})"
             f"{row['ratio']:>12.2f} ({row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f})"
             f"{row['mb_sent_per_rank']['torchft']:>16.2f}"

@@ -30,6 +30,14 @@ def build_backend(cfg) -> Backend:
             "WORLD_SIZE=%s is set (torchrun): using backend.kind=torch", os.environ["WORLD_SIZE"]
         )
         kind = "torch"
+    if kind == "torchft" and cfg.ranks_per_worker > 1:
+        # A worker of R ranks is a torch.distributed world of its own (its inner steps); its lead rank
+        # joins the quorum. The other ranks wait in a broadcast while the lead forms one: that long.
+        from muloco.comm.torch_dist import TorchDistBackend
+
+        section = cfg.backend.torchft
+        timeout = section.quorum_timeout_s * (section.quorum_retries + 1) + section.timeout_s
+        return TorchDistBackend(timeout, cfg.backend.torch.dist_backend)
     if kind in ("local", "hivemind", "torchft"):
         # A hivemind peer or a torchft worker is a world of its own; its reducer joins the swarm / quorum.
         return LocalBackend()

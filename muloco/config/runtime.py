@@ -172,13 +172,15 @@ class TorchftBackendConfig(Section):
     lighthouse: str | None = Field(
         None,
         description="The torchft lighthouse's address, e.g. http://head-node:29510; null: the "
-        "TORCHFT_LIGHTHOUSE environment variable (`muloco launch --backend torchft` sets it).",
+        "TORCHFT_LIGHTHOUSE environment variable. `muloco launch --backend torchft` starts one and sets it, "
+        "or joins the one named here.",
     )
     replica_id: int | None = Field(
         None,
         ge=0,
         description="This worker's index r < workers (its data shard and its name at the lighthouse); "
-        "null: the RANK the launcher sets, else 0. A restarted worker keeps its index.",
+        "null: the RANK the launcher sets, else 0 (needed with ranks_per_worker > 1). A restarted worker "
+        "keeps its index; `muloco launch --backend torchft` numbers its workers from it.",
     )
     hostname: str | None = Field(
         None,

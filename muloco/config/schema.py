@@ -138,10 +138,9 @@ class Config(Section):
 
     def _check_torchft(self) -> None:
         """What an elastic torchft worker can run (muloco/sync/elastic.py)."""
-        if self.method == "dp" or self.ranks_per_worker > 1:
+        if self.method == "dp":
             raise ValueError(
-                "backend.kind=torchft runs method: diloco with one process per worker (ranks_per_worker=1); "
-                "use backend.kind=torch for method: dp or workers of several ranks"
+                "backend.kind=torchft runs method: diloco; use backend.kind=torch for method: dp"
             )
         if self.sync.transport == "reduce_scatter":
             raise ValueError(

@@ -33,7 +33,7 @@ def build_reducer(cfg, topology) -> Reducer:
     if cfg.backend.kind == "torchft":
         from muloco.sync.elastic import ElasticReducer
 
-        return ElasticReducer(cfg.backend.torchft, cfg.workers)
+        return ElasticReducer(cfg.backend.torchft, cfg.workers, topology)
     return CollectiveReducer(topology, cfg.workers)
 
 

@@ -35,18 +35,25 @@ from typing import Any
 import torch
 
 from muloco.comm import ring_allgather_bytes, ring_allreduce_bytes
+from muloco.comm.topology import Topology
 from muloco.comm.torchft_group import QuorumFailed, TorchftGroup
 from muloco.config import TorchftBackendConfig
 from muloco.errors import TrainingError, UserError
 from muloco.run_state import Component
 from muloco.sync.codec import PseudogradientCodec, pack
-from muloco.sync.reduce import Contribution, Mean, PendingMean, SharedState
+from muloco.sync.reduce import Contribution, Mean, PendingMean, SharedState, share_with_worker
 
 log = logging.getLogger("muloco")
 
 
-def replica_index(section: TorchftBackendConfig, workers: int) -> int:
-    """This worker's replica index: backend.torchft.replica_id, else the launcher's RANK, else 0."""
+def replica_index(section: TorchftBackendConfig, workers: int, ranks_per_worker: int = 1) -> int:
+    """This worker's replica index: backend.torchft.replica_id, else (one rank per worker) the launcher's
+    RANK, else 0."""
+    if section.replica_id is None and ranks_per_worker > 1:
+        raise UserError(
+            "backend.torchft.replica_id is needed with ranks_per_worker > 1 (RANK is the rank inside the "
+            "worker); give each worker its own index, or start it with `muloco launch --backend torchft`"
+        )
     index = section.replica_id if section.replica_id is not None else int(os.environ.get("RANK", "0"))
     if not 0 <= index < workers:
         raise UserError(
@@ -79,9 +86,19 @@ class Membership(Component):
 class ElasticReducer:
     workers: int | None
 
-    def __init__(self, section: TorchftBackendConfig, workers: int) -> None:
+    def __init__(self, section: TorchftBackendConfig, workers: int, topology: Topology | None = None) -> None:
         self.section, self.workers = section, workers
-        self.index = replica_index(section, workers)
+        # A worker of R ranks (topology.worker, a world of its own): its lead joins the quorums and passes
+        # what it gets (a heal, the mean) on to the worker's other ranks.
+        self.worker = topology.worker if topology is not None else None
+        self.is_lead = topology is None or topology.is_lead
+        if topology is not None and topology.num_workers != 1:
+            raise UserError(
+                f"a torchft worker of ranks_per_worker={topology.ranks_per_worker} ranks is a world of its "
+                "own: start each worker's ranks with their own MASTER_PORT (muloco launch --backend torchft)"
+            )
+        R = topology.ranks_per_worker if topology is not None else 1
+        self.index = replica_index(section, workers, R)
         self.group = None
         self.membership = Membership()
         self._state: SharedState | None = None
@@ -98,12 +115,15 @@ class ElasticReducer:
 
     def open(self, shapes_by_fragment: list[list[torch.Size]], codecs: list[PseudogradientCodec]) -> None:
         self._shapes, self._codecs = shapes_by_fragment, codecs
-        self.group = TorchftGroup(self.section, self.index, self._serve_state, self._receive_state)
+        if self.is_lead:
+            self.group = TorchftGroup(self.section, self.index, self._serve_state, self._receive_state)
 
     def join(self, state: SharedState, replicas: list, resumed: bool) -> None:
         """Keep the run's state at hand (a heal replaces it); a resumed worker is at its checkpoint's sync
         count; a new run waits for its workers so the first quorum has them all."""
         self._state, self._replicas = state, replicas
+        if not self.is_lead:
+            return
         if resumed:
             self.group.set_step(state.fragment_syncs)
         expected = self.section.wait_for_workers or self.workers
@@ -137,15 +157,47 @@ class ElasticReducer:
             "of fragment %d (its own contribution is left out)",
             *(self.index, meta["step"], meta["outer_steps"], fragment),
         )
-        template = c.like[0]
+        return self._joining(fragment, meta["step"], meta["sync_apply_step"], c.like[0])
+
+    def _joining(self, fragment: int, step: int, apply_step: int, template: torch.Tensor) -> Contribution:
+        """A healed worker's part of the quorum's sync: nothing, shaped like that fragment."""
         like = [torch.zeros(s, dtype=template.dtype, device=template.device) for s in self._shapes[fragment]]
         codec = self._codecs[fragment] if self._codecs else None
         payload = 4.0 * sum(t.numel() for t in like) if codec is None else 0.0
-        step, apply_step = meta["step"], meta["sync_apply_step"]
         return Contribution(fragment, step, 0, like, payload, None, [], codec, apply_step=apply_step)
 
     # -- a sync ---------------------------------------------------------------------------------------
     def start_mean(self, contribution: Contribution) -> PendingMean:
+        """The quorum's mean; a worker of R ranks: its lead's, passed on to the others (below)."""
+        if self.worker is None:
+            return self._start_mean(contribution)
+        pending = self._start_mean(contribution) if self.is_lead else None
+        moved = self._pass_heal_on(pending, contribution)
+        shared = share_with_worker(self.worker, pending, (moved or contribution).like)
+        shared.moved_to = moved
+        return shared
+
+    def _pass_heal_on(self, pending: PendingMean | None, c: Contribution) -> Contribution | None:
+        """The lead tells the worker's other ranks whether it healed; if so they adopt the same state and
+        join the same sync. Every rank of the worker calls the broadcasts, in the same order."""
+        header = torch.zeros(4, dtype=torch.int64)  # healed, fragment, step, apply step
+        moved = pending.moved_to if pending is not None else None
+        if moved is not None:
+            header[:] = torch.tensor([1, moved.fragment, moved.step, moved.apply_step])
+        healed, fragment, step, apply_step = self.worker.broadcast([header], src=0).wait()[0].tolist()
+        if not healed:
+            return None
+        tensors, meta = self._state.export_state()
+        counters = torch.tensor([meta["step"], meta["outer_steps"], meta["fragment_syncs"]])
+        tensors = self.worker.broadcast([t.clone() for t in tensors], src=0).wait()
+        counters = self.worker.broadcast([counters], src=0).wait()[0].tolist()
+        if self.is_lead:
+            return moved
+        meta = dict(zip(("step", "outer_steps", "fragment_syncs"), counters, strict=True))
+        self._state.adopt_state(tensors, meta, self._replicas)
+        return self._joining(fragment, step, apply_step, c.like[0])
+
+    def _start_mean(self, contribution: Contribution) -> PendingMean:
         """Quorum (a worker behind adopts a member's state), then the collectives and the commit vote. A
         sync applied at once is retried in a new quorum when it fails. One applied tau steps later
         (Streaming DiLoCo) exchanges on the reducer's thread while the inner steps go on and votes when it

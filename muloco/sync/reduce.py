@@ -186,7 +186,7 @@ class CollectiveReducer:
             else:
                 pending = _start_mean_compressed(self.topology.sync, c, K)
         if self.topology.worker is not None:
-            pending = _share_with_worker(self.topology.worker, pending, c.like, K)
+            pending = share_with_worker(self.topology.worker, pending, c.like)
         if c.codec is None:
             pending.bytes_sent = ring_allreduce_bytes(c.payload_bytes, K)
         elif isinstance(c.codec, PartitionedCodec):
@@ -259,24 +259,27 @@ def _start_mean_partitioned(backend: Backend, c: Contribution, workers: int) -> 
     return PendingMean(handle, finish)
 
 
-def _share_with_worker(
-    worker: Backend, pending: PendingMean | None, like: list[torch.Tensor], workers: int
-) -> PendingMean:
+def share_with_worker(worker: Backend, pending: PendingMean | None, like: list[torch.Tensor]) -> PendingMean:
     """A worker of R ranks: its lead rank (pending is its mean across workers; None on the other ranks)
-    broadcasts the mean, the contributor count and the bytes it sent (reduce-scatter books them at the
-    end) to the worker's ranks when waited for. Every rank of the worker calls the broadcasts, in the same
-    order."""
+    broadcasts the mean, its counts, the bytes it sent (reduce-scatter books them at the end) and whether
+    it was dropped (torchft) to the worker's ranks when waited for. Every rank of the worker calls the
+    broadcasts, in the same order."""
 
     def finish(_) -> Mean:
-        meta = torch.zeros(2, dtype=torch.float64, device=like[0].device)  # contributors, bytes sent
+        # contributors, left out, bytes sent, dropped
+        meta = torch.zeros(4, dtype=torch.float64, device=like[0].device)
+        details: dict[str, Any] = {}
         if pending is not None:
             mean = pending.wait()
             values = mean.values or [torch.zeros_like(t) for t in like]
-            meta[0], meta[1] = float(mean.contributors), mean.bytes_sent
+            counts = [mean.contributors, mean.left_out, mean.bytes_sent, float(mean.dropped)]
+            meta.copy_(torch.tensor(counts, dtype=torch.float64))
+            details = mean.details
         else:
             values = [torch.empty_like(t) for t in like]
         values = worker.broadcast(values, src=0).wait()
-        n, sent = worker.broadcast([meta], src=0).wait()[0].tolist()
-        return Mean(values if n > 0 else None, int(n), workers - int(n), sent)
+        n, left_out, sent, dropped = worker.broadcast([meta], src=0).wait()[0].tolist()
+        usable = n > 0 and not dropped
+        return Mean(values if usable else None, int(n), int(left_out), sent, details, dropped=bool(dropped))
 
     return PendingMean(CompletedHandle(None), finish)

@@ -17,6 +17,7 @@ from test_helpers import (
     sync_records,
 )
 
+from muloco.checkpoint import list_checkpoints, load_checkpoint
 from muloco.launch import free_port
 
 pytest.importorskip("torchft")
@@ -82,9 +83,18 @@ def _wait_for_syncs(run_dir: Path, count: int, timeout_s: float = 120) -> None:
     raise AssertionError(f"{run_dir.name} did not reach {count} syncs")
 
 
-def _kill_worker(launcher, rank: int) -> None:
+def _kill_worker(launcher, process: int) -> None:
+    """SIGKILL the launcher's process-th process (a worker's rank; one rank per worker: worker `process`)."""
     workers = psutil.Process(launcher.pid).children(recursive=False)
-    next(c for c in workers if c.environ().get("RANK") == str(rank)).kill()
+    next(c for c in workers if c.environ().get("LOCAL_RANK") == str(process)).kill()
+
+
+def _lighthouse_of(launcher) -> str:
+    return next(
+        arg.split("=", 1)[1]
+        for arg in psutil.Process(launcher.pid).children()[0].cmdline()
+        if arg.startswith("backend.torchft.lighthouse=")
+    )
 
 
 @pytest.mark.parametrize("sync", [[], STREAMING], ids=["whole-model", "streaming"])
@@ -124,11 +134,7 @@ def test_a_restarted_worker_recovers_the_state_live_and_ends_equal(tmp_path, TIN
     replacement = None
     try:
         _wait_for_syncs(tmp_path / "ft-worker2", 2)
-        lighthouse = next(
-            arg.split("=", 1)[1]
-            for arg in psutil.Process(launcher.pid).children()[0].cmdline()
-            if arg.startswith("backend.torchft.lighthouse=")
-        )
+        lighthouse = _lighthouse_of(launcher)
         _kill_worker(launcher, 2)
         back = [*overrides, "backend.kind=torchft", f"backend.torchft.lighthouse={lighthouse}"]
         back.append("backend.torchft.hostname=127.0.0.1")  # as the launcher's workers (and its hint)
@@ -151,6 +157,63 @@ def test_a_restarted_worker_recovers_the_state_live_and_ends_equal(tmp_path, TIN
         assert f"joining its sync of fragment {records[0]['fragment']} " in adopted[0]
     assert json.loads((tmp_path / "back" / "summary.json").read_text())["heals"] == 1
     assert_same_global_params(tmp_path / "ft-worker0", tmp_path / "ft-worker1", tmp_path / "back")
+
+
+# Workers of R = 2 ranks: each a torch.distributed world of its own (inner steps), its lead in the quorums.
+TWO_RANKS = [
+    "workers=2",
+    "ranks_per_worker=2",
+    "train.micro_batch_tokens=64",
+    f"train.total_tokens={256 * 24}",
+]
+
+
+def test_workers_of_two_ranks_equal_the_torch_backend(tmp_path, TINY):
+    overrides = [*TINY, *TWO_RANKS, f"run.output_dir={tmp_path}"]
+    ft = run_muloco(
+        "launch", "--nproc", 4, "--backend", "torchft", QS, *overrides, "run.name=ft", timeout=240
+    )
+    assert ft.returncode == 0, ft.stderr[-3000:]
+    torch_run = run_muloco("launch", "--nproc", 4, QS, *overrides, "run.name=torch", timeout=240)
+    assert torch_run.returncode == 0, torch_run.stderr[-3000:]
+    for i in range(2):
+        assert [r["quorum_size"] for r in sync_records(tmp_path / f"ft-worker{i}")] == [2] * 8
+        for a, b in zip(
+            final_global_params(tmp_path / f"ft-worker{i}"), final_global_params(tmp_path / "torch")
+        ):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_worker_of_two_ranks_that_loses_one_is_reported_and_rejoins_live(tmp_path, TINY):
+    overrides = [*TINY, *TWO_RANKS, f"run.output_dir={tmp_path}", "backend.torchft.heartbeat_timeout_s=15"]
+    launcher = start_muloco("launch", "--nproc", 4, "--backend", "torchft", QS, *overrides, "run.name=ft")
+    replacement = None
+    try:
+        _wait_for_syncs(tmp_path / "ft-worker1", 2)
+        lighthouse = _lighthouse_of(launcher)
+        _kill_worker(launcher, 3)  # worker 1's second rank: the launcher ends its first one too
+        # The command the launcher prints: both ranks again, joining the running lighthouse as worker 1.
+        back = [*overrides, f"backend.torchft.lighthouse={lighthouse}", "backend.torchft.replica_id=1"]
+        replacement = start_muloco("launch", "--backend", "torchft", "--nproc", 2, QS, *back, "run.name=back")
+        _, replacement_err = replacement.communicate(timeout=240)
+        _, err = launcher.communicate(timeout=240)
+    finally:
+        for p in (launcher, replacement):
+            if p is not None:
+                p.kill()
+                p.wait(timeout=10)
+    assert "worker 1 exited" in err and "launch --backend torchft --nproc 2" in err
+    assert "backend.torchft.replica_id=1" in err
+    assert json.loads((tmp_path / "ft-worker0" / "summary.json").read_text())["status"] == "completed"
+    assert replacement.returncode == 0, replacement_err[-3000:]
+    adopted = [line for line in replacement_err.splitlines() if "adopted the quorum's state live" in line]
+    assert len(adopted) == 1 and adopted[0].startswith("[rank 0]")  # its lead; rank 1 took it from the lead
+    assert sync_records(tmp_path / "back-worker1")[0]["healed"]
+    assert_same_global_params(tmp_path / "ft-worker0", tmp_path / "back-worker1")
+    # Both ranks of the rejoined worker hold the same global state (rank 1's checkpoint).
+    rank1 = list_checkpoints(tmp_path / "back-worker1" / "checkpoints" / "rank1")[-1]
+    lead = final_global_params(tmp_path / "back-worker1")
+    assert all(map(torch.equal, lead, load_checkpoint(rank1)["engine"]["outer"]["params"]))
 
 
 def test_an_unreachable_lighthouse_is_one_line_and_exit_2(tmp_path, TINY):

@@ -226,7 +226,6 @@ def test_a_quorum_that_never_forms_fails_the_run_after_the_retries():
 @pytest.mark.parametrize(
     "override, field",
     [
-        ("ranks_per_worker=2 train.micro_batch_tokens=128", "ranks_per_worker=1"),
         ("sync.transport=reduce_scatter", "sync.transport=auto"),
         ("method=dp", "method: diloco"),
     ],
@@ -234,3 +233,31 @@ def test_a_quorum_that_never_forms_fails_the_run_after_the_retries():
 def test_what_a_torchft_worker_cannot_run_is_a_config_error(override, field):
     with pytest.raises(ConfigError, match=field):
         load_config(CONFIG, ["backend.kind=torchft", "workers=4", *override.split()])
+
+
+def test_a_worker_of_several_ranks_names_its_index_and_is_a_world_of_its_own():
+    from muloco.comm.topology import Topology
+    from muloco.errors import UserError
+
+    two_ranks = Topology(2, 1, 0, 1, None, object())
+    with pytest.raises(UserError, match="backend.torchft.replica_id is needed with ranks_per_worker > 1"):
+        ElasticReducer(TorchftBackendConfig(), workers=2, topology=two_ranks)
+    reducer = ElasticReducer(TorchftBackendConfig(replica_id=1), workers=2, topology=two_ranks)
+    assert reducer.local_replicas(2) == [1] and not reducer.is_lead  # rank 1: no quorums of its own
+    one_world = Topology(2, 2, 0, 0, None, object())  # 4 processes in one world: two workers' ranks mixed
+    with pytest.raises(UserError, match="their own MASTER_PORT"):
+        ElasticReducer(TorchftBackendConfig(replica_id=0), workers=2, topology=one_world)
+
+
+def test_the_launcher_wants_whole_workers_of_ranks(capsys):
+    from muloco.cli import main
+
+    args = [
+        "workers=2",
+        "ranks_per_worker=2",
+        "model.seq_len=32",
+        "train.batch_tokens=256",
+        "train.micro_batch_tokens=64",
+    ]
+    assert main(["launch", "--nproc", "3", "--backend", "torchft", CONFIG, *args]) == 2
+    assert "--nproc (3) must be a multiple of ranks_per_worker (2)" in capsys.readouterr().err
