@@ -264,15 +264,22 @@ class Trainer:
         finishing, starting = engine.due(progress.steps)
         for sync in finishing:
             self._log_sync(engine.finish(sync, self.replicas))
-        for fragment in starting:
+        contributing = self.replicas
+        while starting:
+            fragment, starting = starting[0], starting[1:]
             losses, step = progress.round_losses, progress.steps
             loss_sum_count = (sum(losses), len(losses) if self.topology.is_lead else 0)
-            sync = engine.start(fragment, self.replicas, step, {"loss_sum_count": loss_sum_count})
+            sync = engine.start(fragment, contributing, step, {"loss_sum_count": loss_sum_count})
             progress.round_losses = []
             if sync.apply_step <= progress.steps:
                 self._log_sync(engine.finish(sync, self.replicas))
             if (sync.fragment, sync.started_step) != (fragment, step):
-                break  # torchft: this worker adopted its quorum's state and step; the plan was for its own
+                # torchft: this worker adopted its quorum's state and step, so its plan is void. At the
+                # run's last step the others go on to sync the later fragments: it joins them with nothing
+                # of its own (its replicas hold the adopted state).
+                last = progress.steps >= self.total_steps
+                starting = list(range(sync.fragment + 1, len(engine.fragments))) if last else []
+                contributing = []
 
     def _inner_steps(self, end: int) -> None:
         if self.batched:

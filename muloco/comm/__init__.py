@@ -32,11 +32,13 @@ def build_backend(cfg) -> Backend:
         kind = "torch"
     if kind == "torchft" and cfg.ranks_per_worker > 1:
         # A worker of R ranks is a torch.distributed world of its own (its inner steps); its lead rank
-        # joins the quorum. The other ranks wait in a broadcast while the lead forms one: that long.
+        # joins the quorum. The other ranks wait in a broadcast while the lead tries a sync: every attempt's
+        # quorum, collectives and heal transfer (each up to timeout_s), and a minute to spare.
         from muloco.comm.torch_dist import TorchDistBackend
 
         section = cfg.backend.torchft
-        timeout = section.quorum_timeout_s * (section.quorum_retries + 1) + section.timeout_s
+        attempt_s = section.quorum_timeout_s + 2 * section.timeout_s
+        timeout = attempt_s * (section.quorum_retries + 1) + 60.0
         return TorchDistBackend(timeout, cfg.backend.torch.dist_backend)
     if kind in ("local", "hivemind", "torchft"):
         # A hivemind peer or a torchft worker is a world of its own; its reducer joins the swarm / quorum.

@@ -58,6 +58,11 @@ class ErrorFeedback:
     def reset(self) -> None:
         self.buffers.clear()
 
+    def forget(self, names: list[str]) -> None:
+        """Drop the buffers of these parameters (a sync of theirs that was never applied)."""
+        for name in names:
+            self.buffers.pop(name, None)
+
     def state_dict(self) -> dict:
         """Plain tensors and strings only (loads with torch.load(weights_only=True))."""
         return {"buffers": {k: v.detach().cpu().clone() for k, v in self.buffers.items()}}

@@ -29,7 +29,7 @@ import logging
 import math
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -157,14 +157,17 @@ class ElasticReducer:
             "of fragment %d (its own contribution is left out)",
             *(self.index, meta["step"], meta["outer_steps"], fragment),
         )
-        return self._joining(fragment, meta["step"], meta["sync_apply_step"], c.like[0])
+        return self._joining(c, fragment, meta["step"], meta["sync_apply_step"])
 
-    def _joining(self, fragment: int, step: int, apply_step: int, template: torch.Tensor) -> Contribution:
-        """A healed worker's part of the quorum's sync: nothing, shaped like that fragment."""
+    def _joining(self, c: Contribution, fragment: int, step: int, apply_step: int) -> Contribution:
+        """A healed worker's part of the quorum's sync: nothing, shaped like that fragment (the same
+        aggregation rule as the others')."""
+        template = c.like[0]
         like = [torch.zeros(s, dtype=template.dtype, device=template.device) for s in self._shapes[fragment]]
         codec = self._codecs[fragment] if self._codecs else None
         payload = 4.0 * sum(t.numel() for t in like) if codec is None else 0.0
-        return Contribution(fragment, step, 0, like, payload, None, [], codec, apply_step=apply_step)
+        empty = {"healthy": 0, "like": like, "payload_bytes": payload, "delta_sum": None, "messages": []}
+        return replace(c, fragment=fragment, step=step, codec=codec, apply_step=apply_step, **empty)
 
     # -- a sync ---------------------------------------------------------------------------------------
     def start_mean(self, contribution: Contribution) -> PendingMean:
@@ -195,7 +198,7 @@ class ElasticReducer:
             return moved
         meta = dict(zip(("step", "outer_steps", "fragment_syncs"), counters, strict=True))
         self._state.adopt_state(tensors, meta, self._replicas)
-        return self._joining(fragment, step, apply_step, c.like[0])
+        return self._joining(c, fragment, step, apply_step)
 
     def _start_mean(self, contribution: Contribution) -> PendingMean:
         """Quorum (a worker behind adopts a member's state), then the collectives and the commit vote. A
@@ -203,7 +206,8 @@ class ElasticReducer:
         (Streaming DiLoCo) exchanges on the reducer's thread while the inner steps go on and votes when it
         is waited for; if it failed it is dropped, not retried: the others may have moved on by then."""
         c, attempts = contribution, self.section.quorum_retries + 1
-        healed, sent = False, 0.0  # once healed, its contribution (made before the heal) stays out
+        # Once healed, its contribution (made before the heal) stays out; it is not left out, it has none.
+        healed, sent = c.absent, 0.0
         for attempt in range(1, attempts + 1):
             self._syncing = c
             try:

@@ -258,6 +258,7 @@ class SyncEngine:
                 self.aggregate,
                 self.trim,
                 step + delay,
+                absent=not replicas,
             )
             pending = self.reducer.start_mean(contribution)
         if pending.moved_to is not None:
@@ -324,6 +325,12 @@ class SyncEngine:
             # drift, which the fragment's next sync carries.
             self.ledger.count(mean.bytes_sent)
             self.unsynced[sync.fragment] = True
+            # The residuals kept what that message left out, as if it had arrived; the next sync resends
+            # the whole drift, so they would count it twice.
+            names = [self.outer.names[i] for i in self.fragments[sync.fragment]]
+            for ef in self.error_feedback:
+                if ef is not None:
+                    ef.forget(names)
             return self._record(sync, mean, None, 0)
         indices = self.fragments[sync.fragment]
 

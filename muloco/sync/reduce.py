@@ -52,6 +52,7 @@ class Contribution:
     aggregate: str = "mean"  # sync.aggregate (aggregate.py): a robust rule needs the messages (codec)
     trim: int = 1  # sync.trim, for trimmed_mean
     apply_step: int | None = None  # when the mean is applied (step + tau); a torchft healer applies it then
+    absent: bool = False  # no replicas by design (a torchft worker healed at the last step): not left out
 
 
 @dataclass

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from muloco.comm.torchft_group import QuorumFailed
+from muloco.compress import ErrorFeedback
 from muloco.config import OuterConfig, SyncConfig, TorchftBackendConfig, load_config
 from muloco.errors import ConfigError, TrainingError
 from muloco.replica import Replica
 from muloco.sync import SyncEngine
 from muloco.sync.codec import pack
 from muloco.sync.elastic import ElasticReducer
+from muloco.sync.reduce import Contribution
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs/quickstart.yaml")
 
@@ -166,6 +168,11 @@ def test_a_healed_worker_joins_the_quorums_sync_of_another_fragment_at_its_step(
         torch.testing.assert_close(p, torch.full_like(p, 1.75))
     assert record.fragment == 1 and record.fields["healed"] and engine.progress.fragment_syncs == 4
     assert engine.unsynced == [False, False]  # the replicas restarted from the adopted state
+    # The part it joins with keeps the run's aggregation rule (a robust rule must be applied alike).
+    robust = Contribution(0, 2, 1, engine.global_params, 1.0, aggregate="median", trim=2)
+    joined = engine.reducer._joining(robust, 1, 6, 7)
+    assert (joined.fragment, joined.step, joined.apply_step, joined.healthy) == (1, 6, 7, 0)
+    assert (joined.aggregate, joined.trim, joined.messages) == ("median", 2, [])
 
 
 def test_a_sync_in_flight_exchanges_in_the_background_and_a_failed_one_is_dropped():
@@ -180,6 +187,9 @@ def test_a_sync_in_flight_exchanges_in_the_background_and_a_failed_one_is_droppe
             p.sub_(0.5)
     local = [p.clone() for p in replica.model.parameters()]
     replica.inner_steps = engine.progress.steps = 4
+    feedback = ErrorFeedback()
+    feedback.buffers = {name: torch.ones(1) for name in ("0.weight", "1.weight")}  # fragment 0, fragment 1
+    engine.error_feedback = [feedback]
     started = engine.start(0, [replica], 4, {"loss_sum_count": (0.0, 1)})
     assert (started.fragment, started.apply_step) == (0, 5)
     engine.progress.steps = replica.inner_steps = 5
@@ -189,11 +199,26 @@ def test_a_sync_in_flight_exchanges_in_the_background_and_a_failed_one_is_droppe
     assert all(torch.equal(a, b) for a, b in zip(local, replica.model.parameters(), strict=True))
     assert engine.progress.fragment_syncs == 0 and engine.unsynced[0]
     assert record.fields["dropped"] and engine.reducer.membership.dropped_syncs == 1
+    assert list(feedback.buffers) == ["1.weight"]  # the next sync resends fragment 0's whole drift
     # A second failure in a row is more than quorum_retries=1 allows: the run fails with one line.
     engine.progress.steps = replica.inner_steps = 6
     again = engine.start(1, [replica], 6, {"loss_sum_count": (0.0, 1)})
     with pytest.raises(TrainingError, match="2 syncs in a row failed"):
         engine.finish(again, [replica])
+
+
+def test_a_worker_with_nothing_to_contribute_joins_the_sync_and_is_not_left_out():
+    # A worker that healed into the run's last step joins the later fragments' syncs with no replicas.
+    other = [torch.full((2, 3), 0.1), torch.full((2,), 0.1)]
+    engine, replica = engine_and_replica([{"others": flat(other, 1, 0), "commit": True}])
+    replica.inner_steps = engine.progress.steps = 2
+    started = engine.start(0, [], 2, {"loss_sum_count": (0.0, 0)})
+    assert torch.equal(engine.reducer.group.sent[0][-2:], torch.tensor([0.0, 1.0]))  # none, not left out
+    record = engine.finish(started, [replica])
+    assert record.fields["replicas_left_out"] == 0 and engine.progress.bad_syncs == 0
+    assert all(
+        torch.equal(p, g) for p, g in zip(replica.model.parameters(), engine.global_params, strict=True)
+    )
 
 
 def test_compressed_members_decode_in_quorum_order_and_a_healed_one_is_not_left_out():
@@ -206,8 +231,6 @@ def test_compressed_members_decode_in_quorum_order_and_a_healed_one_is_not_left_
     healed_member = bytes([1]) + pack([])
     engine.reducer.group.attempts = [{"others": [healed_member], "commit": True}]
     contribution_messages = [codec.encode([torch.full((2, 3), 0.5), torch.full((2,), 0.5)])]
-
-    from muloco.sync.reduce import Contribution
 
     c = Contribution(0, 2, 1, engine.global_params, 10.0, None, contribution_messages, codec)
     engine.reducer.group.form_quorum()
