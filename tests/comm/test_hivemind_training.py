@@ -55,15 +55,24 @@ def test_three_peers_average_every_sync_and_stay_equal(tmp_path, TINY, compressi
     )
     assert result.returncode == 0, result.stderr[-3000:]
     peers = [tmp_path / f"swarm-peer{i}" for i in range(3)]
-    for run_dir in peers:
+    realigned_too_late = []
+    for i, run_dir in enumerate(peers):
         records = sync_records(run_dir)  # 16 steps: syncs at 3, 6, ..., 15 and 16
         assert len(records) == 6 and all(r["group_size"] == 3 for r in records)
         # Under heavy load a download can still fail: the member then leaves that contribution out, and
-        # the next sync's digests show it and it loads the majority's state (CI saw it at step 12).
+        # the next sync's digests show it and it loads the majority's state (CI saw it at step 12). When
+        # that next sync is the run's last, nothing follows to load it in (docs/reliability.md, "Not
+        # covered"): the peer says so, and it is left out of the equality below (CI saw it at step 15).
         for before, after in zip(records, records[1:], strict=False):
             assert not before["replicas_left_out"] or after.get("state_reference"), (before, after)
-    reference = final_global_params(peers[0])
-    for run_dir in peers[1:]:
+        if records[-1].get("state_reference"):
+            lines = result.stderr.splitlines()
+            assert any(line.startswith(f"[rank {i}]") and "cannot be realigned now" in line for line in lines)
+            realigned_too_late.append(run_dir)
+    in_step = [run_dir for run_dir in peers if run_dir not in realigned_too_late]
+    assert len(in_step) >= 2
+    reference = final_global_params(in_step[0])
+    for run_dir in in_step[1:]:
         for a, b in zip(reference, final_global_params(run_dir), strict=True):
             assert torch.equal(a, b)  # every peer decodes the same bytes in the same order
     summaries = [json.loads((p / "summary.json").read_text()) for p in peers]
