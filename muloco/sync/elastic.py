@@ -206,8 +206,9 @@ class ElasticReducer:
         (Streaming DiLoCo) exchanges on the reducer's thread while the inner steps go on and votes when it
         is waited for; if it failed it is dropped, not retried: the others may have moved on by then."""
         c, attempts = contribution, self.section.quorum_retries + 1
-        # Once healed, its contribution (made before the heal) stays out; it is not left out, it has none.
-        healed, sent = c.absent, 0.0
+        # Healed (its contribution, made before the heal, stays out) or absent: it has nothing to
+        # contribute, and is not left out either. Only a heal moves the sync (to the quorum's).
+        healed, moved, sent = c.absent, None, 0.0
         for attempt in range(1, attempts + 1):
             self._syncing = c
             try:
@@ -217,14 +218,14 @@ class ElasticReducer:
                 continue
             joined = self._adopt_received(c)
             if joined is not None:
-                c, healed = joined, True
+                c, healed, moved = joined, True, joined
             if c.apply_step is not None and c.apply_step > c.step:
-                return self._in_background(c, healed, sent)
+                return self._in_background(c, healed, sent, moved)
             mean = self._exchange(c, healed)
             sent += mean.bytes_sent  # a failed attempt's bytes were sent too
             if self.group.commit():
                 pending = PendingMean.completed(self._committed(mean, healed, sent))
-                pending.moved_to = c if healed else None
+                pending.moved_to = moved
                 return pending
             self._retrying(c, attempt, attempts, f"quorum {self.group.quorum_id} of {self.group.size} failed")
         raise TrainingError(
@@ -235,7 +236,9 @@ class ElasticReducer:
     def _exchange(self, c: Contribution, healed: bool) -> Mean:
         return self._mean_uncompressed(c, healed) if c.codec is None else self._mean_compressed(c, healed)
 
-    def _in_background(self, c: Contribution, healed: bool, sent: float) -> PendingMean:
+    def _in_background(
+        self, c: Contribution, healed: bool, sent: float, moved: Contribution | None
+    ) -> PendingMean:
         """The collectives on the reducer's thread; the vote (on the caller's) when the mean is waited for.
         A sync that failed is dropped: the replicas keep their drift, which the fragment's next sync
         carries, and a member that missed a sync the others committed adopts their state at the next
@@ -247,7 +250,7 @@ class ElasticReducer:
             return self._dropped(c, healed, sent + mean.bytes_sent)
 
         pending = PendingMean(_Background(self._thread.submit(self._exchange, c, healed)), vote)
-        pending.moved_to = c if healed else None
+        pending.moved_to = moved
         return pending
 
     def _committed(self, mean: Mean, healed: bool, sent: float) -> Mean:
