@@ -20,6 +20,7 @@ from muloco.offload import ReplicaOffload
 from muloco.optim import build_inner_optimizer
 from muloco.replica import Replica
 from muloco.run_state import CommLedger, Progress, WanProjection
+from muloco.sharding import shard_model, worker_mesh
 from muloco.sync import Reducer, SyncEngine
 
 
@@ -82,7 +83,10 @@ def diloco_replicas(
     offload: ReplicaOffload | None,
 ) -> list[Replica]:
     """A DiLoCo worker's model copy, inner optimizer and stream per local replica (in host memory with
-    simulation.offload); with workers of R ranks, this rank's share of each step."""
+    simulation.offload); with workers of R ranks, this rank's share of each step (sharding=fsdp: and
+    this rank's shard of the model, sharding.py)."""
+    if topology.sharded:
+        return [sharded_replica(cfg, template, indices, streams, device, topology)]
     worker, replicas = topology.worker, []
     # Distributed Muon: each matrix's momentum and Newton-Schulz on one rank of the worker.
     owners = worker.group if worker is not None and cfg.inner.distributed_muon else None
@@ -98,6 +102,24 @@ def diloco_replicas(
             replica.shard_index, replica.shard_count = topology.local_rank, worker.world_size
         replicas.append(replica)
     return replicas
+
+
+def sharded_replica(
+    cfg: Config, template: nn.Module, indices: list[int], streams: list, device, topology: Topology
+) -> Replica:
+    """sharding=fsdp: the worker's one replica, its model wrapped with FSDP2 over the worker's ranks. The
+    template itself is sharded (no second whole copy): each rank keeps its rows of it."""
+    if len(indices) != 1:
+        raise UserError(
+            f"sharding=fsdp runs one replica per worker, and each worker of {topology.ranks_per_worker} "
+            f"ranks here would host {len(indices)}: launch workers x ranks_per_worker processes"
+        )
+    bf16 = device.type == "cuda" and cfg.train.precision in ("auto", "bf16")
+    model = shard_model(template.to(device), worker_mesh(topology.worker, device), bf16)
+    optimizer = build_inner_optimizer(model, cfg.inner, sharded=True)
+    replica = Replica(indices[0], model, optimizer, streams[0], device)
+    replica.shard_index, replica.shard_count = topology.local_rank, topology.ranks_per_worker
+    return replica
 
 
 def dp_replica(cfg: Config, template: nn.Module, index: int, stream, device) -> Replica:
@@ -127,6 +149,7 @@ def sync_engine(
     progress: Progress,
     ledger: CommLedger,
     wan: WanProjection,
+    shard_group=None,
 ) -> SyncEngine:
     """The sync engine of `muloco train` (outer.offload=cpu keeps the fp32 global copy in host memory)."""
     return SyncEngine(
@@ -142,4 +165,5 @@ def sync_engine(
         progress=progress,
         ledger=ledger,
         wan=wan,
+        shard_group=shard_group,
     )

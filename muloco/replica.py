@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from muloco.sharding import accumulating, local_params
 from muloco.sync.outer import pseudogradient
 
 
@@ -23,13 +24,15 @@ def forward_backward(
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager],
 ) -> float:
-    """Accumulate gradients of loss_scale x loss over the batches; return the sum of unscaled losses."""
-    total = 0.0
-    for x, y in batches:
+    """Accumulate gradients of loss_scale x loss over the batches; return the sum of unscaled losses. A
+    sharded model (sharding.py) reduces its gradients over the worker's ranks at the last backward."""
+    total, batches = 0.0, list(batches)
+    for i, (x, y) in enumerate(batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast():
             loss = model(x, y)
-        (loss * loss_scale).backward()
+        with accumulating(model, last=i == len(batches) - 1):
+            (loss * loss_scale).backward()
         total += loss.item()  # a CPU-GPU sync point, once per micro-batch
     return total
 
@@ -55,9 +58,10 @@ class Replica:
         self.offload = None
         self.on_device = True
         # A worker of R ranks (docs/topology.md): this rank computes micro-batches shard_index, +R, ... of
-        # each step and the gradients are summed over the worker's ranks before the optimizer step.
+        # each step and the gradients are summed over the worker's ranks before the optimizer step (by
+        # this rank's all-reduce over `worker` when replicated, by FSDP when sharded).
         self.shard_index, self.shard_count = 0, 1
-        self.worker = None  # the worker's Backend when R > 1
+        self.worker = None  # the worker's Backend when R > 1 and the model is replicated
 
     def train_step(
         self,
@@ -86,7 +90,7 @@ class Replica:
         once): the lr for this step, gradients of the next batch (summed over the worker's ranks), clipping.
         Returns the mean training loss, as `train_step`."""
         set_lr_multiplier(self.optimizer, lr_multiplier)
-        if self.worker is None:
+        if self.shard_count == 1:
             batches = (self.stream.next_batch(seqs_per_micro) for _ in range(micro_batches))
         else:  # every rank reads the whole step (same stream position), computes its share
             everything = [self.stream.next_batch(seqs_per_micro) for _ in range(micro_batches)]
@@ -106,7 +110,7 @@ class Replica:
     ) -> list[torch.Tensor]:
         """delta = theta_global - theta_replica, in fp32 on the global parameters' device; for the
         parameters at `indices` only (a fragment) when given."""
-        local = list(self.model.parameters())
+        local = local_params(self.model)
         if indices is None:
             return pseudogradient(global_params, local)
         return pseudogradient([global_params[i] for i in indices], [local[i] for i in indices])
@@ -114,13 +118,13 @@ class Replica:
     @torch.no_grad()
     def load_global(self, global_params: list[torch.Tensor]) -> None:
         """Reset the replica's parameters to the global ones (the DiLoCo merge with alpha = 0)."""
-        for p, g in zip(self.model.parameters(), global_params, strict=True):
+        for p, g in zip(local_params(self.model), global_params, strict=True):
             p.copy_(g)
 
     @torch.no_grad()
     def merge_global(self, global_params: list[torch.Tensor], indices: list[int], alpha: float) -> None:
         """Streaming merge of the parameters at `indices`: local <- alpha local + (1 - alpha) global."""
-        local = list(self.model.parameters())
+        local = local_params(self.model)
         for i in indices:
             if alpha == 0.0:
                 local[i].copy_(global_params[i])

@@ -23,14 +23,18 @@ class Component:
         return {f.name: getattr(self, f.name) for f in _state_fields(self)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = [f.name for f in _state_fields(self) if f.name not in state]
+        # A field marked {"optional": True} was added after checkpoints existed: absent, it keeps its default.
+        missing = [
+            f.name for f in _state_fields(self) if f.name not in state and not f.metadata.get("optional")
+        ]
         if missing:
             raise CheckpointError(
                 f"checkpoint lacks {type(self).__name__} fields {missing}; it was written by another muloco "
                 "version: resume with that version, or set checkpoint.resume=never"
             )
         for f in _state_fields(self):
-            setattr(self, f.name, state[f.name])
+            if f.name in state:
+                setattr(self, f.name, state[f.name])
 
     def summary(self) -> dict[str, Any]:
         return {}
@@ -81,15 +85,20 @@ class CommLedger(Component):
     peak_bytes_per_sync: float = 0.0
     payload_by_fragment: dict[int, float] = field(default_factory=dict)
     comm_wait_s: float = 0.0
+    # What this rank sent itself: bytes_sent on a worker's lead; 1/R of it per rank of a sharded worker.
+    rank_bytes_sent: float = field(default=0.0, metadata={"optional": True})
 
-    def count(self, sent: float) -> None:
+    def count(self, sent: float, own: float | None = None) -> None:
+        """`sent` by the worker in one sync, `own` of it by this rank (default: all of it)."""
         self.bytes_sent += sent
+        self.rank_bytes_sent += sent if own is None else own
         self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, sent)
 
     def summary(self) -> dict[str, Any]:
         payload = sum(self.payload_by_fragment.values()) or None  # one replica's message, whole model
         return {
             "bytes_sent_per_worker": self.bytes_sent,
+            "bytes_sent_by_rank0": self.rank_bytes_sent,
             "peak_bytes_per_sync": self.peak_bytes_per_sync,
             "payload_bytes_per_sync": payload,
             "effective_bits_per_param": round(8 * payload / self.num_params, 4) if payload else None,

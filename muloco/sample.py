@@ -22,6 +22,7 @@ from muloco.data.tokenizer import ByteTokenizer, load_run_tokenizer
 from muloco.errors import CheckpointError, UserError, one_line
 from muloco.models import build_model
 from muloco.run_dir import TOKENIZER_RECORD
+from muloco.sharded_checkpoint import list_sharded, load_sharded
 
 
 def _tokenizer_info(run_dir: Path, cfg) -> dict:
@@ -46,7 +47,13 @@ def load_trained_model(run_dir: Path) -> tuple[nn.Module, object, int]:
         )
     cfg = load_config(str(run_dir / "config.yaml"))
     info = _tokenizer_info(run_dir, cfg)
-    found = find_resume_state("auto", run_dir / "checkpoints")
+    if cfg.sharding == "fsdp":  # the newest sharded checkpoint, read whole (sharded_checkpoint.py)
+        newest = list_sharded(run_dir / "checkpoints" / "sharded")[-1:]
+        found = (
+            (newest[0], load_sharded(newest[0], "replica0", None, torch.device("cpu"))) if newest else None
+        )
+    else:
+        found = find_resume_state("auto", run_dir / "checkpoints")
     if found is None:
         raise UserError(
             f"RUN_DIR: {run_dir} has no checkpoint yet; wait for one (checkpoint.every) or the run to end"

@@ -3,11 +3,13 @@ the run's throughput."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import muloco
 from muloco.comm import ring_allreduce_bytes
 from muloco.config import Config
+from muloco.sharding import rank_state_bytes
 
 
 def config_figures(cfg: Config) -> dict[str, Any]:
@@ -19,6 +21,7 @@ def config_figures(cfg: Config) -> dict[str, Any]:
         "inner_optimizer": cfg.inner.optimizer,
         "workers": cfg.workers,
         "ranks_per_worker": cfg.ranks_per_worker,
+        "sharding": cfg.sharding,
         "sync_every": cfg.sync.every if cfg.method == "diloco" else 1,
         "bits": cfg.compression.bits if compressed else 32,
         "compression": cfg.compression.scheme,
@@ -27,6 +30,16 @@ def config_figures(cfg: Config) -> dict[str, Any]:
         "alpha": cfg.sync.alpha,
         "error_feedback": cfg.compression.error_feedback and compressed,
     }
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory (Linux and macOS report it in different units)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def build_summary(
@@ -54,6 +67,8 @@ def build_summary(
         "tokens_per_s": round(tokens / elapsed_s, 1) if elapsed_s > 0 else None,
         "train_tokens_per_s": round(tokens / train_time_s, 1) if train_time_s > 0 else None,
         "replica_compute_s": [round(r.compute_time_s, 3) for r in replicas],
+        "state_bytes_rank0": rank_state_bytes(replicas, components.get("engine")),
+        "peak_rss_bytes_rank0": peak_rss_bytes(),
         **components["wan"].summary(),
         **(components["membership"].summary() if "membership" in components else {}),  # torchft
         "params": num_params,

@@ -36,6 +36,7 @@ from muloco.comm.topology import build_topology
 from muloco.config import Config
 from muloco.data import ReplicaStream, load_data, val_batches
 from muloco.dp import DataParallel
+from muloco.errors import CheckpointError
 from muloco.lr_schedule import lr_multiplier
 from muloco.metrics import MetricsLogger, start_wandb
 from muloco.models import build_model, describe_model
@@ -43,6 +44,8 @@ from muloco.offload import ReplicaOffload, offload_applies
 from muloco.resume import check_same_config, find_resume_checkpoint, load_components
 from muloco.run_dir import prepare_run_dir, write_json_atomic, write_resolved_config, write_tokenizer_record
 from muloco.run_state import CommLedger, Progress, RngState, StateList, WanProjection
+from muloco.sharded_checkpoint import find_sharded, load_sharded, save_sharded
+from muloco.sharding import layout_free_fingerprint, local_params, reshard
 from muloco.signals import EXIT_INTERRUPTED, StopRequest
 from muloco.summary import build_summary
 from muloco.sync import Reducer, SyncEngine, SyncRecord, build_reducer
@@ -80,7 +83,9 @@ class Trainer:
         self.checkpoint_dir = self.run_dir / "checkpoints" / ("" if rank == 0 else f"rank{rank}")
 
         # Workers of R ranks each (comm/topology.py); the reducer says which replicas this process hosts.
-        self.topology = build_topology(self.backend, cfg.ranks_per_worker)
+        self.topology = build_topology(self.backend, cfg.ranks_per_worker, sharded=cfg.sharding == "fsdp")
+        if self.topology.sharded:  # one checkpoint of every rank's shards (sharded_checkpoint.py)
+            self.checkpoint_dir = self.run_dir / "checkpoints" / "sharded"
         self.reducer = build_reducer(cfg, self.topology)
         self.local_indices = self.reducer.local_replicas(K)
 
@@ -135,7 +140,12 @@ class Trainer:
                 cfg, template, self.local_indices, streams, self.device, self.topology, self.offload
             )
             state = {"progress": self.progress, "ledger": self.ledger, "wan": self.wan}
-            self.engine = sync_engine(cfg, template, self.reducer, self.replicas, self.device, **state)
+            # Sharded: the engine holds this rank's rows of the wrapped model's parameters.
+            initial = self.replicas[0].model if self.topology.sharded else template
+            shards = self.topology.worker if self.topology.sharded else None
+            self.engine = sync_engine(
+                cfg, initial, self.reducer, self.replicas, self.device, shard_group=shards, **state
+            )
         self.probe = (
             alignment_probe(cfg, template, self.data.train, self.device)
             if cfg.diagnostics.alignment
@@ -167,14 +177,34 @@ class Trainer:
     def _resume(self) -> None:
         """Every component from the checkpoint that `checkpoint.resume` names (resume.py), if any."""
         cfg = self.cfg
-        args = (cfg.checkpoint.resume, self.checkpoint_dir, cfg.fingerprint(), self.local_indices)
-        found = find_resume_checkpoint(self.backend, *args)
+        if self.topology.sharded:
+            found = self._find_sharded()
+        else:
+            args = (cfg.checkpoint.resume, self.checkpoint_dir, cfg.fingerprint(), self.local_indices)
+            found = find_resume_checkpoint(self.backend, *args)
         if found is None:
             return
         path, state = found
         load_components(self.components, state, path)
         self.resumed_from, progress = path, self.progress
         log.info("resumed checkpoint=%s step=%d outer_steps=%d", path, progress.steps, progress.outer_steps)
+
+    def _find_sharded(self) -> tuple[Path, dict[str, Any]] | None:
+        """A sharded checkpoint (any ranks_per_worker) and this replica's state in it, laid out for this
+        run's ranks."""
+        cfg = self.cfg
+        path = find_sharded(cfg.checkpoint.resume, self.checkpoint_dir, self.backend)
+        if path is None:
+            return None
+        model = self.replicas[0].model
+        mesh = next(p for p in model.parameters()).device_mesh
+        state = load_sharded(path, f"replica{self.local_indices[0]}", mesh, self.device)
+        if state.get("layout_fingerprint") != layout_free_fingerprint(cfg):
+            raise CheckpointError(
+                f"checkpoint {path} was written with a different config; resume with the same config "
+                "(ranks_per_worker may differ), or pick a new run.name (or checkpoint.resume=never)"
+            )
+        return path, state
 
     # -- the loop -------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -369,7 +399,7 @@ class Trainer:
         replica.activate()
         own = None
         if self.engine is not None and self.cfg.sync.streaming:
-            own = [p.detach().clone() for p in model.parameters()]
+            own = [p.detach().clone() for p in local_params(model)]
             replica.load_global(self.engine.global_params)
         model.eval()
         losses = []
@@ -377,9 +407,10 @@ class Trainer:
             for x, y in self.val_set:
                 with self.autocast():
                     losses.append(model(x.to(self.device), y.to(self.device)).item())
+        reshard(model)
         model.train()
         if own is not None:
-            for p, saved in zip(model.parameters(), own, strict=True):
+            for p, saved in zip(local_params(model), own, strict=True):
                 p.copy_(saved)
         replica.deactivate()
         val_loss = sum(losses) / len(losses)
@@ -434,8 +465,14 @@ class Trainer:
         self.progress.elapsed_s = self._elapsed()
         state = {"fingerprint": self.cfg.fingerprint(), "local_indices": self.local_indices}
         state.update({name: component.state_dict() for name, component in self.components.items()})
+        step, keep = self.progress.steps, self.cfg.checkpoint.keep
         with record_function("muloco::checkpoint"):
-            path = save_checkpoint(state, self.checkpoint_dir, self.progress.steps, self.cfg.checkpoint.keep)
+            if self.topology.sharded:
+                state["layout_fingerprint"] = layout_free_fingerprint(self.cfg)
+                prefix, lead = f"replica{self.local_indices[0]}", self.topology.is_lead
+                path = save_sharded(state, self.checkpoint_dir, step, keep, self.backend, prefix, lead)
+            else:
+                path = save_checkpoint(state, self.checkpoint_dir, step, keep)
         log.info("checkpoint path=%s step=%d", path, self.progress.steps)
         return path
 

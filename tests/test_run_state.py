@@ -39,6 +39,17 @@ def test_a_new_counter_is_one_field():
         fresh.load_state_dict(Progress().state_dict())
 
 
+def test_an_optional_counter_keeps_its_default_in_an_older_checkpoint():
+    ledger = CommLedger(num_params=10)
+    ledger.count(8.0, own=4.0)  # a rank of a sharded worker: the worker sent 8, this rank 4
+    ledger.count(2.0)
+    assert (ledger.bytes_sent, ledger.rank_bytes_sent) == (10.0, 6.0)
+    older = {k: v for k, v in ledger.state_dict().items() if k != "rank_bytes_sent"}
+    restored = CommLedger(num_params=10)
+    restored.load_state_dict(older)
+    assert restored.bytes_sent == 10.0 and restored.rank_bytes_sent == 0.0
+
+
 def test_wiring_is_not_state_and_the_projection_hides_overlapped_transfers():
     progress = Progress(steps=10, worker_compute_s=5.0)  # 0.5 s a step
     wan = WanProjection(link=Link(100.0), progress=progress)

@@ -41,8 +41,17 @@ class Config(Section):
         1,
         gt=0,
         description="R: processes per DiLoCo worker (docs/topology.md). They split each inner step's "
-        "micro-batches and all-reduce gradients every step; only the worker's first rank syncs "
-        "pseudogradients with the other workers. Launch K/k x R processes.",
+        "micro-batches and reduce gradients every step; with sharding=replicate only the worker's first "
+        "rank syncs pseudogradients with the other workers (fsdp: every rank, its shard). Launch K/k x R "
+        "processes.",
+    )
+    sharding: Literal["replicate", "fsdp"] = Field(
+        "replicate",
+        description="How a worker's R ranks hold its model (docs/topology.md). replicate: every rank holds "
+        "all parameters, gradients and optimizer state; fsdp: FSDP2 (fully_shard per block and at the "
+        "root) shards parameters, gradients, inner and outer optimizer state 1/R per rank, every rank "
+        "syncs its shard with the same rank of the other workers, checkpoints are sharded "
+        "(torch.distributed.checkpoint). fsdp needs backend.kind=torch.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when present, else CPU.")
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -92,6 +101,8 @@ class Config(Section):
                     f"ranks_per_worker ({self.ranks_per_worker}) must divide a worker's micro-batches per "
                     f"step ({self.worker_batch_tokens // micro}); set train.micro_batch_tokens to fit"
                 )
+        if self.sharding == "fsdp":
+            self._check_fsdp()
         if self.simulation.batched is True and (self.simulation.offload or self.ranks_per_worker > 1):
             raise ValueError(
                 "simulation.batched=true keeps every replica of a process on the device and steps them "
@@ -135,6 +146,25 @@ class Config(Section):
         if self.data.source == "text" and self.data.path is None:
             raise ValueError("data.source: text needs data.path (files, a directory or a glob)")
         return self
+
+    def _check_fsdp(self) -> None:
+        """What a sharded worker can run (muloco/sharding.py)."""
+        unsupported = [
+            (self.method == "dp", "method: dp (set method: diloco)"),
+            (self.backend.kind != "torch", f"backend.kind={self.backend.kind} (use backend.kind=torch)"),
+            (self.simulation.offload, "simulation.offload=true (set it false)"),
+            (self.model.compile, "model.compile=true (set it false)"),
+            (self.inner.optimizer == "torch_muon", "inner.optimizer=torch_muon (use muon)"),
+            (self.sync.aggregate != "mean", f"sync.aggregate={self.sync.aggregate} (use mean)"),
+            (self.diagnostics.alignment, "diagnostics.alignment=true (set it false)"),
+            (
+                self.sync.transport == "reduce_scatter",
+                "sync.transport=reduce_scatter (its owners' buffers are per rank; use auto or all_gather)",
+            ),
+        ]
+        for bad, what in unsupported:
+            if bad:
+                raise ValueError(f"sharding=fsdp does not run with {what}")
 
     def _check_torchft(self) -> None:
         """What an elastic torchft worker can run (muloco/sync/elastic.py)."""
@@ -185,6 +215,7 @@ class Config(Section):
             "device",
             "diagnostics",
         ),
+        with_layout: bool = True,
     ) -> str:
         """Hash of the settings that change the maths, to tell checkpoints and ranks apart. Where the
         replicas run (backend, simulation, device, train.threads) and what is logged when are left out:
@@ -198,6 +229,11 @@ class Config(Section):
             if model.get(key) == default:
                 del model[key]
         model.pop("compile", None)  # where the maths runs, not what it is: resume with it on or off
+        if data.get("sharding") == "replicate":
+            del data["sharding"]  # added after checkpoints existed
+        if not with_layout:  # a sharded checkpoint resumes with any ranks_per_worker (sharded_checkpoint.py)
+            data.pop("ranks_per_worker", None)
+            data.pop("sharding", None)
         if data["data"].get("dtype") is None:
             data["data"]["dtype"] = "uint16"  # the default before meta.json existed
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -6,9 +6,11 @@
     distributed_muon.py
                       `DistributedMuon`: Muon split across a worker's ranks, one owner rank per matrix,
                       owners balanced by estimated NS cost (`assign_owners`)
+    sharded_muon.py   `ShardedMuon`: Muon on FSDP2 (DTensor) parameters, each matrix gathered to its owner
+                      rank for NS and its rows scattered back (sharding=fsdp)
     routing.py        which parameters go to Muon and which to AdamW (roles + regex overrides)
-    factory.py        `build_inner_optimizer(model, inner, process_group=None)` -> `InnerOptimizer` for
-                      inner.optimizer = muon | adamw | sgd | torch_muon
+    factory.py        `build_inner_optimizer(model, inner, process_group=None, sharded=False)` ->
+                      `InnerOptimizer` for inner.optimizer = muon | adamw | sgd | torch_muon
 
 docs/optimizers.md describes the options and where we differ from torch.optim.Muon.
 """
@@ -18,12 +20,14 @@ from muloco.optim.factory import InnerOptimizer, build_inner_optimizer
 from muloco.optim.muon import Muon, adjusted_lr, muon_update
 from muloco.optim.newton_schulz import COEFFICIENT_SETS, newton_schulz
 from muloco.optim.routing import muon_param_groups, routing_table
+from muloco.optim.sharded_muon import ShardedMuon
 
 __all__ = [
     "COEFFICIENT_SETS",
     "DistributedMuon",
     "InnerOptimizer",
     "Muon",
+    "ShardedMuon",
     "adjusted_lr",
     "assign_owners",
     "build_inner_optimizer",

@@ -31,6 +31,8 @@ from muloco.optim.distributed_muon import DistributedMuon
 from muloco.optim.muon import Muon
 from muloco.optim.newton_schulz import KELLER, resolve_coefficients
 from muloco.optim.routing import Named, format_routing, muon_param_groups
+from muloco.optim.sharded_muon import ShardedMuon
+from muloco.sharding import local
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -89,9 +91,10 @@ class InnerOptimizer:
             opt.load_state_dict(state)
 
     def state_bytes(self) -> int:
-        """Bytes held in optimizer state tensors (momentum, Adam moments, step counters)."""
+        """Bytes this rank holds in optimizer state tensors (momentum, Adam moments, step counters; of
+        a sharded model's state, its rows)."""
         return sum(
-            value.numel() * value.element_size()
+            local(value).numel() * value.element_size()
             for opt in self.optimizers
             for state in opt.state.values()
             for value in state.values()
@@ -152,6 +155,7 @@ def _muon(
     inner: InnerConfig,
     process_group: ProcessGroup | None,
     transposed: list[nn.Parameter] = (),
+    sharded: bool = False,
 ) -> Muon:
     hyperparameters: dict[str, Any] = dict(
         lr=inner.lr,
@@ -168,8 +172,10 @@ def _muon(
     upright = [p for p in params if id(p) not in transposed_ids]
     groups = [{"params": upright}] if upright else []
     groups += [{"params": list(transposed), "transposed": True}] if transposed else []
-    if process_group is not None and dist.get_world_size(process_group) > 1:
-        muon: Muon = DistributedMuon(groups, **hyperparameters, process_group=process_group)
+    if sharded:  # FSDP2 parameters: each matrix gathered to its owner rank for Newton-Schulz
+        muon: Muon = ShardedMuon(groups, **hyperparameters)
+    elif process_group is not None and dist.get_world_size(process_group) > 1:
+        muon = DistributedMuon(groups, **hyperparameters, process_group=process_group)
     else:
         muon = Muon(groups, **hyperparameters)
     for group in muon.param_groups:
@@ -178,13 +184,15 @@ def _muon(
 
 
 def build_inner_optimizer(
-    model: nn.Module, inner: InnerConfig, process_group: ProcessGroup | None = None
+    model: nn.Module, inner: InnerConfig, process_group: ProcessGroup | None = None, sharded: bool = False
 ) -> InnerOptimizer:
     """The inner optimizer named by `inner.optimizer` over `model`'s trainable parameters.
 
     process_group: the ranks of this DiLoCo worker, which average their gradients before every `step()`;
     with more than one rank, inner.optimizer=muon splits its Newton-Schulz work across them
     (`DistributedMuon`, which must then be stepped on every rank). None: one process, plain `Muon`.
+    sharded: the model is wrapped with FSDP2 (sharding.py); Muon is then `ShardedMuon` (each matrix
+    orthogonalized on one owner rank), AdamW and SGD step the DTensor shards as they are.
     """
     roles = param_roles(model)
     kind = inner.optimizer
@@ -221,7 +229,7 @@ def build_inner_optimizer(
                 )
             optimizers.append(_torch_muon(params, names, inner))
         else:
-            optimizers.append(_muon(params, inner, process_group, transposed))
+            optimizers.append(_muon(params, inner, process_group, transposed, sharded))
     if adamw_named:
         optimizers.append(_adamw([p for _, p in adamw_named], inner))
     if not optimizers:

@@ -26,11 +26,13 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from muloco.comm import Backend
 from muloco.compress import Compressor, ErrorFeedback, NoCompression
 from muloco.config import CompressionConfig, OuterConfig, SyncConfig
 from muloco.errors import UserError
 from muloco.models.roles import param_roles
 from muloco.run_state import CommLedger, Progress, WanProjection
+from muloco.sharding import as_shard_of, local
 from muloco.sync.codec import PseudogradientCodec
 from muloco.sync.fragments import SyncSchedule, fragment_indices
 from muloco.sync.guard import BadSyncGuard, usable
@@ -101,10 +103,16 @@ class SyncEngine:
         progress: Progress | None = None,
         ledger: CommLedger | None = None,
         wan: WanProjection | None = None,
+        shard_group: Backend | None = None,
     ) -> None:
         """model: the initial (identical on every replica) parameters; total_steps: the run's length
-        (None: open-ended, the Python API), whose last step syncs every fragment with unsynced steps."""
-        named = list(model.named_parameters())
+        (None: open-ended, the Python API), whose last step syncs every fragment with unsynced steps.
+        shard_group: sharding=fsdp, the worker's ranks. `model` is then the FSDP-wrapped replica and the
+        engine holds this rank's rows of everything (sharding.py); norms, health and byte counts are
+        summed over the group so that every rank of the worker decides alike."""
+        self.shard_group = shard_group
+        self.sharded_like = list(model.parameters()) if shard_group is not None else None  # DTensors
+        named = [(name, local(p)) for name, p in model.named_parameters()]
         device = outer_device or (named[0][1].device if named else torch.device("cpu"))
         self.outer = OuterOptimizer(named, outer.lr, outer.momentum, outer.nesterov, device)
         try:
@@ -153,6 +161,8 @@ class SyncEngine:
         mean = sum(c.payload_bits(s) / 8 for c, s in zip(mean_codecs, shapes, strict=True))
         link = wan.link if wan is not None else None
         transport = choose_transport(sync.transport, workers, True, link, message, mean)
+        if transport == "reduce_scatter" and self.shard_group is not None:
+            transport = "all_gather"  # its part owners' buffers are per rank, not resharded (config.py)
         if transport == "reduce_scatter":
             self.codecs = [
                 PartitionedCodec(c, s, workers, m.compressors)
@@ -224,6 +234,9 @@ class SyncEngine:
                 replica.activate()
                 delta = replica.pseudogradient(self.outer.params, indices)
                 norm = global_norm(delta)
+                if self.shard_group is not None:  # every rank of the worker judges the replica alike
+                    sq, unhealthy = self._across_shards(norm**2, float(not replica.healthy))
+                    norm, replica.healthy = math.sqrt(sq), unhealthy == 0
                 if not usable(replica, norm):
                     self._reset(position, replica, step, norm)
                     continue
@@ -243,6 +256,7 @@ class SyncEngine:
         payload = (
             4.0 * numel if codec is None else (sum(map(len, messages)) / len(messages) if messages else 0.0)
         )
+        own_payload = payload
         delay = self.delay(step) if delay is None else delay
         with record_function("muloco::reduce"):
             contribution = Contribution(
@@ -250,7 +264,7 @@ class SyncEngine:
                 step,
                 healthy,
                 like,
-                payload,
+                own_payload,
                 delta_sum,
                 messages,
                 codec,
@@ -273,7 +287,9 @@ class SyncEngine:
                 None,
                 0.0,
             )
-        self.ledger.count(pending.bytes_sent)  # collectives: known now (a swarm's when its group is)
+        # Collectives: known now (a swarm's when its group is). Sharded: the worker's = its ranks' sum.
+        payload, sent = self._across_shards(payload, pending.bytes_sent)
+        self.ledger.count(sent, pending.bytes_sent)
         if payload:
             self.ledger.payload_by_fragment[fragment] = payload
         if self.wan is not None and self.wan.link is not None:
@@ -282,7 +298,7 @@ class SyncEngine:
 
         cosine = None
         if unit_sum is not None and healthy > 1:
-            cosine = (global_norm(unit_sum) ** 2 - healthy) / (healthy * (healthy - 1))
+            cosine = (self._norm(unit_sum) ** 2 - healthy) / (healthy * (healthy - 1))
         stats: dict[str, Any] = {
             "norm_sum_count": (sum(norms), len(norms)),
             "pseudograd_cosine": cosine,
@@ -323,7 +339,7 @@ class SyncEngine:
         if mean.dropped:
             # The reducer gave the sync up: no outer step, nothing counted, and the replicas keep their
             # drift, which the fragment's next sync carries.
-            self.ledger.count(mean.bytes_sent)
+            self.ledger.count(mean.bytes_sent)  # torchft: never sharded
             self.unsynced[sync.fragment] = True
             # The residuals kept what that message left out, as if it had arrived; the next sync resends
             # the whole drift, so they would count it twice.
@@ -336,17 +352,21 @@ class SyncEngine:
 
         # Outer Nesterov step on the fragment's fp32 global parameters (its own momentum buffers). Never
         # with a non-finite value: without a finite mean the step is skipped.
-        finite = mean.values is not None and math.isfinite(global_norm(mean.values))
+        # Sharded: finite on every rank of the worker or on none (each holds its rows of the mean).
+        finite = mean.values is not None and math.isfinite(self._norm(mean.values))
         update_norm = None
         if finite:
             with record_function("muloco::outer_step"):
                 update_norm = self.outer.step(mean.values, None if len(self.fragments) == 1 else indices)
+            if self.shard_group is not None:
+                update_norm = math.sqrt(self._across_shards(update_norm**2)[0])
         left_out = mean.left_out if finite else max(mean.left_out, 1)
         self.guard.record(left_out, f"sync of fragment {sync.fragment} at step {self.progress.steps}")
         self.progress.fragment_syncs += 1
         self.progress.outer_steps = self.progress.fragment_syncs // len(self.fragments)
-        if mean.bytes_sent:
-            self.ledger.count(mean.bytes_sent)
+        if mean.bytes_sent or self.shard_group is not None:
+            (sent,) = self._across_shards(mean.bytes_sent)
+            self.ledger.count(sent, mean.bytes_sent)
 
         # Merge: local <- alpha local + (1 - alpha) global (alpha = 0: restart from the global ones).
         for replica in replicas:
@@ -362,6 +382,20 @@ class SyncEngine:
         record = self._record(sync, mean, update_norm, left_out)
         self.reducer.after_sync(self, mean, replicas)
         return record
+
+    def _norm(self, tensors: list[torch.Tensor]) -> float:
+        """The L2 norm of the tensors, over the whole worker's rows when sharded (a collective)."""
+        norm = global_norm(tensors)
+        if self.shard_group is None:
+            return norm
+        return math.sqrt(self._across_shards(norm**2)[0])
+
+    def _across_shards(self, *values: float) -> list[float]:
+        """Sums over the worker's ranks when sharded (one small all-reduce); the values otherwise."""
+        if self.shard_group is None:
+            return list(values)
+        total = self.shard_group.all_reduce_sum([torch.tensor(values, dtype=torch.float64)]).wait()[0]
+        return total.tolist()
 
     def _record(self, sync: InFlightSync, mean: Mean, update_norm: float | None, left_out: int) -> SyncRecord:
         stats = sync.stats
@@ -416,7 +450,9 @@ class SyncEngine:
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """Sharded: every tensor of a parameter's rows as a DTensor laid out like the parameter, so that a
+        sharded checkpoint (sharded_checkpoint.py) can resume with another R."""
+        state = {
             "outer": self.outer.state_dict(),
             "error_feedback": [ef.state_dict() if ef is not None else None for ef in self.error_feedback],
             "owner_error_feedback": [
@@ -425,8 +461,26 @@ class SyncEngine:
             "in_flight": [s.state_dict() for s in self.in_flight],
             "unsynced": list(self.unsynced),
         }
+        if self.sharded_like is not None:
+            self._as_shards(state)
+        return state
+
+    def _as_shards(self, state: dict[str, Any]) -> None:
+        like, index = self.sharded_like, {name: i for i, name in enumerate(self.outer.names)}
+        outer = state["outer"] = dict(state["outer"])
+        for key in ("params", "momentum_buffers"):
+            outer[key] = [as_shard_of(t, p) for t, p in zip(outer[key], like, strict=True)]
+        for ef in state["error_feedback"]:
+            if ef is not None:
+                ef["buffers"] = {n: as_shard_of(t, like[index[n]]) for n, t in ef["buffers"].items()}
+        for sync in state["in_flight"]:
+            values = sync["mean"]["values"]
+            if values is not None:
+                shards = [like[i] for i in self.fragments[sync["fragment"]]]
+                sync["mean"]["values"] = [as_shard_of(t, p) for t, p in zip(values, shards, strict=True)]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = _local_rows(state)  # a sharded checkpoint's DTensors: this rank's rows
         self.outer.load_state_dict(state["outer"])
         owner = state.get("owner_error_feedback", [None] * len(self.owner_feedback))  # none before transports
         for buffers, states in ((self.error_feedback, state["error_feedback"]), (self.owner_feedback, owner)):
@@ -435,3 +489,12 @@ class SyncEngine:
                     ef.load_state_dict(ef_state)
         self.in_flight = [InFlightSync.from_state_dict(s) for s in state["in_flight"]]
         self.unsynced = list(state["unsynced"])
+
+
+def _local_rows(value: Any) -> Any:
+    """`value` with every DTensor replaced by this rank's rows (sharding.local)."""
+    if isinstance(value, dict):
+        return {k: _local_rows(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_local_rows(v) for v in value]
+    return local(value) if isinstance(value, torch.Tensor) else value

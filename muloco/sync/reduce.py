@@ -147,7 +147,8 @@ class CollectiveReducer:
     """The mean over all K replicas with collectives: an all-reduce of fp32 sums, or an all-gather of
     compressed messages that every process decodes in replica order (so all processes, and the
     simulation, hold the same mean, bit for bit). With workers of R ranks (topology.worker), the lead rank
-    of each worker takes part across workers and broadcasts the mean to its worker's other ranks."""
+    of each worker takes part across workers and broadcasts the mean to its worker's other ranks; sharded
+    workers have no lead: every rank averages its rows with the same rank of the other workers."""
 
     def __init__(self, topology: Topology, workers: int) -> None:
         self.topology, self.workers = topology, workers
@@ -186,7 +187,7 @@ class CollectiveReducer:
                 pending = _start_mean_partitioned(self.topology.sync, c, K)
             else:
                 pending = _start_mean_compressed(self.topology.sync, c, K)
-        if self.topology.worker is not None:
+        if self.topology.worker is not None and not self.topology.sharded:
             pending = share_with_worker(self.topology.worker, pending, c.like)
         if c.codec is None:
             pending.bytes_sent = ring_allreduce_bytes(c.payload_bytes, K)

@@ -1,0 +1,188 @@
+"""Sharded checkpoints (`sharding: fsdp`): torch.distributed.checkpoint (DCP), one directory per step.
+
+Every rank writes its rows of the model, the inner optimizer state and the engine's per-shard state (the
+global copy, the outer momentum, error-feedback buffers, a mean in flight) as DTensors, so a run resumes
+with another number of ranks per worker: DCP reads each rank's new rows from whichever files hold them.
+The rest of the run's state (counters, streams, RNG) is the same on a worker's ranks and written once.
+
+Layout: `<run_dir>/checkpoints/sharded/step_<inner step, 8 digits>/` (DCP's files and `.metadata`, under
+one key prefix per replica, `replica<r>/...`). Atomic as checkpoint.py: every rank writes into a hidden
+temporary directory, and rank 0 renames it to its final name only after all ranks finished, so a rank
+killed mid-write (even kill -9) leaves the previous steps as they were; resume takes the newest complete
+step, which every rank shares. The directory must be visible to every rank (one machine, or a shared file
+system across nodes).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import zeros as dtensor_zeros
+
+from muloco.comm import Backend
+from muloco.errors import CheckpointError
+
+log = logging.getLogger("muloco")
+
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+def list_sharded(directory: Path) -> list[Path]:
+    """Complete sharded checkpoints (renamed into place, with DCP's metadata), oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _NAME.match(p.name) and (p / ".metadata").is_file())
+
+
+def _flatten(value: Any, key: str, flat: dict[str, Any]) -> Any:
+    """The skeleton of `value`: nested dicts and lists as they are, each tensor replaced by a record of
+    its key in `flat` (where the tensor goes), its global shape and dtype, and whether it is sharded."""
+    if isinstance(value, dict):
+        return {k: _flatten(v, f"{key}/{k}", flat) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        items = [_flatten(v, f"{key}/{i}", flat) for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, torch.Tensor):
+        flat[key] = value
+        sharded = isinstance(value, DTensor)
+        return {"__tensor__": key, "shape": list(value.shape), "dtype": str(value.dtype), "sharded": sharded}
+    return value
+
+
+def _is_record(value: Any) -> bool:
+    return isinstance(value, dict) and "__tensor__" in value
+
+
+def _targets(skeleton: Any, mesh, device: torch.device, flat: dict[str, Any]) -> None:
+    """Empty tensors to load into, laid out for this run: a sharded one as this rank's rows on `mesh`
+    (whole without a mesh: one process reading the checkpoint, e.g. `muloco sample`)."""
+    if _is_record(skeleton):
+        dtype = getattr(torch, skeleton["dtype"].removeprefix("torch."))
+        shape = skeleton["shape"]
+        if skeleton["sharded"] and mesh is not None:
+            flat[skeleton["__tensor__"]] = dtensor_zeros(
+                shape, dtype=dtype, device_mesh=mesh, placements=[Shard(0)]
+            )
+        else:
+            flat[skeleton["__tensor__"]] = torch.zeros(shape, dtype=dtype, device="cpu")
+    elif isinstance(skeleton, dict):
+        for v in skeleton.values():
+            _targets(v, mesh, device, flat)
+    elif isinstance(skeleton, list | tuple):
+        for v in skeleton:
+            _targets(v, mesh, device, flat)
+
+
+def _rebuild(skeleton: Any, flat: dict[str, Any]) -> Any:
+    if _is_record(skeleton):
+        return flat[skeleton["__tensor__"]]
+    if isinstance(skeleton, dict):
+        return {k: _rebuild(v, flat) for k, v in skeleton.items()}
+    if isinstance(skeleton, list | tuple):
+        items = [_rebuild(v, flat) for v in skeleton]
+        return items if isinstance(skeleton, list) else tuple(items)
+    return skeleton
+
+
+def save_sharded(
+    state: dict[str, Any], directory: Path, step: int, keep: int, backend: Backend, prefix: str, lead: bool
+) -> Path:
+    """Every rank's part of the run's state under `prefix` (a collective: every rank of the run calls it
+    at the same step; `lead`: this rank is its worker's first). Returns the checkpoint's directory; keeps
+    the newest `keep`."""
+    final = directory / f"step_{step:08d}"
+    tmp = directory / f".tmp_step_{step:08d}"
+    if backend.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a write a killed run left behind
+        tmp.mkdir()
+    backend.barrier()
+    flat: dict[str, Any] = {}
+    skeleton = _flatten({"format": FORMAT_VERSION, **state}, prefix, flat)
+    if lead:
+        # The worker's lead writes the skeleton (the non-tensor state, the same on the worker's ranks) as
+        # bytes in a tensor: DCP writes plain objects from the run's rank 0 only.
+        buffer = io.BytesIO()
+        torch.save(skeleton, buffer)
+        flat[f"{prefix}/skeleton"] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    backend.barrier()  # every rank's files are there
+    if backend.rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # make the rename itself durable
+        finally:
+            os.close(dir_fd)
+        for old in list_sharded(directory)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    backend.barrier()
+    return final
+
+
+def find_sharded(resume: str, directory: Path, backend: Backend) -> Path | None:
+    """The checkpoint `checkpoint.resume` names: the newest complete one (auto), a given directory, or
+    none (never). Every rank reads the same directory; rank 0's answer is everyone's."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume).expanduser()
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(
+                f"checkpoint.resume: {path} is not a sharded checkpoint (a step_* directory with "
+                "DCP's .metadata); check the path or set checkpoint.resume=never"
+            )
+        return path
+    found = list_sharded(directory)
+    newest = found[-1].name if found else ""
+    agreed = backend.all_gather_bytes(newest.encode()).wait()[0].decode()
+    return directory / agreed if agreed else None
+
+
+def _read(path: Path, prefix: str, mesh, device: torch.device) -> tuple[Any, dict[str, Any]]:
+    """The replica's skeleton (its own small tensor), then every tensor it names."""
+    key = f"{prefix}/skeleton"
+    size = dcp.FileSystemReader(path).read_metadata().state_dict_metadata[key].size
+    head = {key: torch.zeros(size, dtype=torch.uint8)}
+    alone = mesh is None  # one process reads the whole checkpoint
+    dcp.load(head, checkpoint_id=path, no_dist=alone)
+    skeleton = torch.load(io.BytesIO(head[key].numpy().tobytes()), weights_only=True)
+    flat: dict[str, Any] = {}
+    _targets(skeleton, mesh, device, flat)
+    dcp.load(flat, checkpoint_id=path, no_dist=alone)
+    return skeleton, flat
+
+
+def load_sharded(path: Path, prefix: str, mesh, device: torch.device) -> dict[str, Any]:
+    """This replica's state from the checkpoint at `path`, laid out for this run: sharded tensors as
+    DTensors of this rank's rows on `mesh` (any number of ranks; a collective), the rest whole. Without a
+    mesh (and without torch.distributed): every tensor whole."""
+    try:
+        with warnings.catch_warnings():
+            # Reading alone is meant here; DCP warns that torch.distributed is not initialized.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            skeleton, flat = _read(path, prefix, mesh, device)
+    except Exception as exc:  # DCP raises many types for a missing key or a torn file
+        raise CheckpointError(
+            f"sharded checkpoint {path} is unreadable or holds no {prefix} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); set checkpoint.resume=never"
+        ) from None
+    state = _rebuild(skeleton, flat)
+    if state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"sharded checkpoint {path} has format {state.get('format')}, this muloco reads "
+            f"{FORMAT_VERSION}; set checkpoint.resume=never"
+        )
+    return state

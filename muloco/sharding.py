@@ -1,0 +1,117 @@
+"""Sharded workers (`sharding: fsdp`): FSDP2 inside a DiLoCo worker of R ranks (docs/topology.md).
+
+Each worker's model is wrapped with PyTorch's `fully_shard` per block and at the root over a 1-D device mesh
+of the worker's ranks, so parameters, gradients and the inner optimizer state are DTensors of which each
+rank holds dim-0 rows (torch.chunk's split: ceil(n / R) rows per rank, fewer on the last ones). Everything
+DiLoCo keeps outside the model works on those local rows: the fp32 global copy, the outer momentum, the
+error-feedback buffers, the pseudogradients and their sync (rank j of every worker averages its rows;
+sync/reduce.py). Muon orthogonalizes whole matrices on one owner rank each (optim/sharded_muon.py).
+
+The MuLoCo paper trains its 3.1B-15B models with FSDP inside each worker (its code builds on torchtitan);
+the per-block wrapping, bf16 parameters with fp32 gradient reduction and accumulation without a reduction
+on all but the last micro-batch are torchtitan's defaults too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from muloco.comm.base import Backend
+
+
+def worker_mesh(worker: Backend, device: torch.device) -> DeviceMesh:
+    """The 1-D device mesh of this worker's ranks (its torch.distributed group)."""
+    return DeviceMesh.from_group(worker.group, device.type)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP wraps one by one: every child of the model's `nn.ModuleList`s (a GPT's
+    transformer blocks, a Hugging Face model's layers). A model without one is wrapped at the root only."""
+    return [child for module in model.modules() if isinstance(module, nn.ModuleList) for child in module]
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, bf16: bool) -> nn.Module:
+    """Wrap `model` in place with `fully_shard` per block and at the root. bf16 (CUDA): parameters are
+    gathered and computed in bf16, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy). Gradients
+    are summed over the worker's ranks, not averaged: each rank's loss is already its share of the step's
+    mean (replica.py), as with `replicate`."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"mesh": mesh, **({"mp_policy": policy} if policy is not None else {})}
+    for block in blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no PREMUL_SUM)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def accumulating(model: nn.Module, last: bool) -> Iterator[None]:
+    """A micro-batch's backward: gradients stay on this rank until the step's last one, whose backward
+    reduce-scatters the accumulated sum (FSDP's no_sync). A no-op for a model that is not sharded."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(last)
+    yield
+
+
+def reshard(model: nn.Module) -> None:
+    """Back to this rank's rows after a forward without backward (an eval): FSDP2 keeps the root's
+    gathered parameters until the backward that never comes. A no-op for a model that is not sharded."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a sharded tensor (a DTensor), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_params(model: nn.Module) -> list[torch.Tensor]:
+    """The model's parameters as this rank holds them (plain tensors; views of the DTensors' rows)."""
+    return [local(p) for p in model.parameters()]
+
+
+def as_shard_of(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`rows` (this rank's part) as a DTensor laid out like the sharded parameter `like`; `rows` itself
+    when `like` is not sharded. Used to checkpoint the state DiLoCo keeps per shard."""
+    if not isinstance(like, DTensor):
+        return rows
+    return DTensor.from_local(rows, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
+
+
+def layout_free_fingerprint(cfg) -> str:
+    """The config's fingerprint without the worker's layout: a sharded checkpoint resumes with another
+    ranks_per_worker (DCP reshards it)."""
+    return cfg.fingerprint(with_layout=False)
+
+
+def _bytes(tensors) -> int:
+    return sum(local(t).numel() * t.element_size() for t in tensors)
+
+
+def rank_state_bytes(replicas: list, engine) -> dict[str, int]:
+    """What this rank holds of the training state, in bytes (summary.json's state_bytes_rank0;
+    docs/topology.md): its parameters, as many gradient bytes (each parameter's gradient is materialized
+    in the step), the inner optimizer's state, and the engine's outer state (the fp32 global copy, the
+    outer momentum, error-feedback buffers)."""
+    params = sum(_bytes(r.model.parameters()) for r in replicas)
+    optimizer = sum(r.optimizer.state_bytes() for r in replicas)
+    outer = 0
+    if engine is not None:
+        outer = _bytes(engine.outer.params) + _bytes(engine.outer.momentum_buffers)
+        outer += sum(_bytes(ef.buffers.values()) for ef in engine.error_feedback if ef is not None)
+    return {"parameters": params, "gradients": params, "optimizer": optimizer, "outer": outer}
