@@ -40,6 +40,15 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
 
 
+def fsync_directory(directory: Path) -> None:
+    """Make a rename inside `directory` durable."""
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def save_checkpoint(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
     """Write atomically (temp file, fsync, rename, fsync dir); keep the newest `keep` checkpoints."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -54,11 +63,7 @@ def save_checkpoint(state: dict[str, Any], directory: Path, step: int, keep: int
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+    fsync_directory(directory)
     for old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
     return final

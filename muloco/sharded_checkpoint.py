@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor import zeros as dtensor_zeros
 
+from muloco.checkpoint import fsync_directory
 from muloco.comm import Backend
 from muloco.errors import CheckpointError
 
@@ -121,11 +122,7 @@ def save_sharded(
     if backend.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
+        fsync_directory(directory)
         for old in list_sharded(directory)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     backend.barrier()

@@ -100,3 +100,30 @@ class LineReader:
                 return found
             time.sleep(0.1)
         raise AssertionError(f"no line with {needle!r} within {timeout} s")
+
+
+def run_rank_scripts(script: str, world_size: int, out: Path, timeout: float) -> None:
+    """Run `script` as R rank processes (argv: rank, world size, a free port, out); every one ends
+    (killed at the latest) before this returns, and each must exit 0 (its log is in the failure)."""
+    from muloco.launch import free_port
+
+    port = str(free_port())
+    tests = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    # R processes on 2 cores, one thread each; the script imports this module as pytest lets tests do.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tests}
+    logs = [out / f"rank{r}.log" for r in range(world_size)]
+    procs = []
+    try:
+        for rank, log in enumerate(logs):
+            with open(log, "w") as sink:  # a file, not a pipe: a chatty rank cannot block on a full pipe
+                cmd = [sys.executable, script, str(rank), str(world_size), port, str(out)]
+                procs.append(subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env))
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {rank}:\n{log.read_text()[-3000:]}"

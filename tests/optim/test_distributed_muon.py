@@ -5,16 +5,13 @@ join a gloo group on 127.0.0.1, step on the same seeded gradients, and save what
 """
 
 import copy
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from test_helpers import run_rank_scripts
 
-from muloco.launch import free_port
 from muloco.optim import DistributedMuon, Muon, assign_owners
 from muloco.optim.distributed_muon import balance, ns_flops
 
@@ -153,25 +150,8 @@ def test_groups_cannot_be_added_after_the_first_step():
 
 
 def run_ranks(world_size: int, out: Path) -> None:
-    """Run this file as R rank processes; every one ends (killed at the latest) before this returns."""
-    port = str(free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # R processes on 2 cores; one thread each
-    logs = [out / f"rank{r}.log" for r in range(world_size)]
-    procs = []
-    try:
-        for rank, log in enumerate(logs):
-            with open(log, "w") as sink:  # a file, not a pipe: a chatty rank cannot block on a full pipe
-                cmd = [sys.executable, __file__, str(rank), str(world_size), port, str(out)]
-                procs.append(subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env))
-        deadline = time.monotonic() + PROCESS_TIMEOUT_S
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {rank}:\n{log.read_text()[-3000:]}"
+    """Run this file as R rank processes (tests/test_helpers.py's run_rank_scripts)."""
+    run_rank_scripts(__file__, world_size, out, PROCESS_TIMEOUT_S)
 
 
 @pytest.mark.slow
