@@ -114,6 +114,12 @@ def sharded_replica(
             f"sharding=fsdp runs one replica per worker, and each worker of {topology.ranks_per_worker} "
             f"ranks here would host {len(indices)}: launch workers x ranks_per_worker processes"
         )
+    wanted = "nccl" if device.type == "cuda" else "gloo"
+    if topology.worker.dist_backend != wanted:  # FSDP2 runs its collectives on the parameters' device
+        raise UserError(
+            f"sharding=fsdp on device {device.type} needs backend.torch.dist_backend={wanted} (this run "
+            f"has {topology.worker.dist_backend}); set it, or device={'cpu' if wanted == 'gloo' else 'cuda'}"
+        )
     bf16 = device.type == "cuda" and cfg.train.precision in ("auto", "bf16")
     model = shard_model(template.to(device), worker_mesh(topology.worker, device), bf16)
     optimizer = build_inner_optimizer(model, cfg.inner, sharded=True)

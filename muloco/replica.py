@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from muloco.sharding import accumulating, local_params
+from muloco.sharding import local_params
 from muloco.sync.outer import pseudogradient
 
 
@@ -25,14 +25,14 @@ def forward_backward(
     autocast: Callable[[], contextlib.AbstractContextManager],
 ) -> float:
     """Accumulate gradients of loss_scale x loss over the batches; return the sum of unscaled losses. A
-    sharded model (sharding.py) reduces its gradients over the worker's ranks at the last backward."""
-    total, batches = 0.0, list(batches)
-    for i, (x, y) in enumerate(batches):
+    sharded model (sharding.py) reduce-scatters each backward's gradients over the worker's ranks and
+    accumulates its rows."""
+    total = 0.0
+    for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast():
             loss = model(x, y)
-        with accumulating(model, last=i == len(batches) - 1):
-            (loss * loss_scale).backward()
+        (loss * loss_scale).backward()
         total += loss.item()  # a CPU-GPU sync point, once per micro-batch
     return total
 

@@ -16,6 +16,7 @@ system across nodes).
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import re
@@ -36,6 +37,7 @@ from muloco.errors import CheckpointError
 log = logging.getLogger("muloco")
 
 FORMAT_VERSION = 1
+INFO = "muloco.json"  # format, step, the config's layout-free fingerprint, workers
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -97,17 +99,27 @@ def _rebuild(skeleton: Any, flat: dict[str, Any]) -> Any:
 
 
 def save_sharded(
-    state: dict[str, Any], directory: Path, step: int, keep: int, backend: Backend, prefix: str, lead: bool
+    state: dict[str, Any],
+    directory: Path,
+    step: int,
+    keep: int,
+    backend: Backend,
+    prefix: str,
+    lead: bool,
+    info: dict[str, Any],
 ) -> Path:
     """Every rank's part of the run's state under `prefix` (a collective: every rank of the run calls it
-    at the same step; `lead`: this rank is its worker's first). Returns the checkpoint's directory; keeps
-    the newest `keep`."""
+    at the same step; `lead`: this rank is its worker's first). `info`: what a resume checks before it
+    reads anything (rank 0 writes it to INFO). Returns the checkpoint's directory; keeps the newest
+    `keep`."""
     final = directory / f"step_{step:08d}"
     tmp = directory / f".tmp_step_{step:08d}"
     if backend.rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a write a killed run left behind
+        for stale in directory.glob(".tmp_step_*"):  # writes a killed run left behind
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
+        (tmp / INFO).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, **info}))
     backend.barrier()
     flat: dict[str, Any] = {}
     skeleton = _flatten({"format": FORMAT_VERSION, **state}, prefix, flat)
@@ -120,13 +132,33 @@ def save_sharded(
     dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
     backend.barrier()  # every rank's files are there
     if backend.rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        aside = directory / f".old_step_{step:08d}"
+        if final.exists():  # the same step again (a finished run resumed): replaced, never missing
+            os.replace(final, aside)
         os.replace(tmp, final)
         fsync_directory(directory)
+        shutil.rmtree(aside, ignore_errors=True)
         for old in list_sharded(directory)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     backend.barrier()
     return final
+
+
+def read_info(path: Path) -> dict[str, Any]:
+    """The checkpoint's INFO (no collective: every rank reads the same file)."""
+    try:
+        info = json.loads((path / INFO).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"sharded checkpoint {path} has no readable {INFO} ({type(exc).__name__}); set "
+            "checkpoint.resume=never or name another step"
+        ) from None
+    if info.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"sharded checkpoint {path} has format {info.get('format')}, this muloco reads "
+            f"{FORMAT_VERSION}; set checkpoint.resume=never"
+        )
+    return info
 
 
 def find_sharded(resume: str, directory: Path, backend: Backend) -> Path | None:

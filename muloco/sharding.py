@@ -8,14 +8,12 @@ error-feedback buffers, the pseudogradients and their sync (rank j of every work
 sync/reduce.py). Muon orthogonalizes whole matrices on one owner rank each (optim/sharded_muon.py).
 
 The MuLoCo paper trains its 3.1B-15B models with FSDP inside each worker (its code builds on torchtitan);
-the per-block wrapping, bf16 parameters with fp32 gradient reduction and accumulation without a reduction
-on all but the last micro-batch are torchtitan's defaults too.
+the per-block wrapping, bf16 parameters with fp32 gradient reduction and a reduce-scatter at every
+micro-batch's backward (so a rank never holds whole gradients: FSDP's no_sync would keep them, upcast to
+fp32, until the step's last micro-batch) are torchtitan's defaults too.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -32,9 +30,17 @@ def worker_mesh(worker: Backend, device: torch.device) -> DeviceMesh:
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks FSDP wraps one by one: every child of the model's `nn.ModuleList`s (a GPT's
-    transformer blocks, a Hugging Face model's layers). A model without one is wrapped at the root only."""
-    return [child for module in model.modules() if isinstance(module, nn.ModuleList) for child in module]
+    """The repeated blocks FSDP wraps one by one: the children of the model's outermost `nn.ModuleList`s
+    (a GPT's transformer blocks, a Hugging Face model's layers; a ModuleList inside a block, e.g. a
+    mixture's experts, stays in its block's unit). A model without one is wrapped at the root only."""
+    found: list[nn.Module] = []
+    inside: set[int] = set()  # modules within a block already found
+    for module in model.modules():  # pre-order: an outer ModuleList comes before the ones it holds
+        if isinstance(module, nn.ModuleList) and id(module) not in inside:
+            for block in module:
+                found.append(block)
+                inside.update(id(m) for m in block.modules())
+    return found
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, bf16: bool) -> nn.Module:
@@ -56,15 +62,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, bf16: bool) -> nn.Module:
 
 def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
-
-
-@contextmanager
-def accumulating(model: nn.Module, last: bool) -> Iterator[None]:
-    """A micro-batch's backward: gradients stay on this rank until the step's last one, whose backward
-    reduce-scatters the accumulated sum (FSDP's no_sync). A no-op for a model that is not sharded."""
-    if is_sharded(model):
-        model.set_requires_gradient_sync(last)
-    yield
 
 
 def reshard(model: nn.Module) -> None:

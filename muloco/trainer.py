@@ -12,6 +12,7 @@ checkpoints): docs/reliability.md.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import time
@@ -30,7 +31,7 @@ from muloco.build import (
     resolve_device,
     sync_engine,
 )
-from muloco.checkpoint import save_checkpoint
+from muloco.checkpoint import list_checkpoints, save_checkpoint
 from muloco.comm import Backend, build_backend, means_over_processes
 from muloco.comm.topology import build_topology
 from muloco.config import Config
@@ -44,7 +45,7 @@ from muloco.offload import ReplicaOffload, offload_applies
 from muloco.resume import check_same_config, find_resume_checkpoint, load_components
 from muloco.run_dir import prepare_run_dir, write_json_atomic, write_resolved_config, write_tokenizer_record
 from muloco.run_state import CommLedger, Progress, RngState, StateList, WanProjection
-from muloco.sharded_checkpoint import find_sharded, load_sharded, save_sharded
+from muloco.sharded_checkpoint import find_sharded, list_sharded, load_sharded, read_info, save_sharded
 from muloco.sharding import layout_free_fingerprint, local_params, reshard
 from muloco.signals import EXIT_INTERRUPTED, StopRequest
 from muloco.summary import build_summary
@@ -177,6 +178,7 @@ class Trainer:
     def _resume(self) -> None:
         """Every component from the checkpoint that `checkpoint.resume` names (resume.py), if any."""
         cfg = self.cfg
+        self._check_layout_of_checkpoints()
         if self.topology.sharded:
             found = self._find_sharded()
         else:
@@ -191,20 +193,46 @@ class Trainer:
 
     def _find_sharded(self) -> tuple[Path, dict[str, Any]] | None:
         """A sharded checkpoint (any ranks_per_worker) and this replica's state in it, laid out for this
-        run's ranks."""
+        run's ranks. Its INFO is checked on every rank and the ranks agree before any collective read."""
         cfg = self.cfg
-        path = find_sharded(cfg.checkpoint.resume, self.checkpoint_dir, self.backend)
+        path, problem = None, ""
+        try:
+            path = find_sharded(cfg.checkpoint.resume, self.checkpoint_dir, self.backend)
+            if path is not None and read_info(path)["layout_fingerprint"] != layout_free_fingerprint(cfg):
+                problem = (
+                    f"checkpoint {path} was written with a different config; resume with the same config "
+                    "(ranks_per_worker may differ), or pick a new run.name (or checkpoint.resume=never)"
+                )
+        except CheckpointError as exc:
+            problem = str(exc)
+        problems = [p.decode() for p in self.backend.all_gather_bytes(problem.encode()).wait()]
+        if any(problems):
+            raise CheckpointError(next(p for p in problems if p))
         if path is None:
             return None
-        model = self.replicas[0].model
-        mesh = next(p for p in model.parameters()).device_mesh
+        mesh = next(p for p in self.replicas[0].model.parameters()).device_mesh
         state = load_sharded(path, f"replica{self.local_indices[0]}", mesh, self.device)
-        if state.get("layout_fingerprint") != layout_free_fingerprint(cfg):
-            raise CheckpointError(
-                f"checkpoint {path} was written with a different config; resume with the same config "
-                "(ranks_per_worker may differ), or pick a new run.name (or checkpoint.resume=never)"
-            )
+        # Every rank of the worker saved its RNG; a rank beyond the saved ranks (R grew) takes the lead's.
+        by_rank = state["rng"]["by_rank"]
+        state["rng"] = by_rank[min(self.topology.local_rank, len(by_rank) - 1)]
         return path, state
+
+    def _check_layout_of_checkpoints(self) -> None:
+        """checkpoint.resume=auto on a run directory whose checkpoints are of the other sharding: refuse
+        rather than start over beside them (every rank sees the same files)."""
+        if self.cfg.checkpoint.resume != "auto":
+            return
+        checkpoints = self.run_dir / "checkpoints"
+        if self.topology.sharded and list_checkpoints(checkpoints):
+            other, found = "replicate", checkpoints
+        elif not self.topology.sharded and list_sharded(checkpoints / "sharded"):
+            other, found = "fsdp", checkpoints / "sharded"
+        else:
+            return
+        raise CheckpointError(
+            f"{found} holds checkpoints of sharding={other}; resume with sharding={other}, or pick a new "
+            "run.name (or checkpoint.resume=never)"
+        )
 
     # -- the loop -------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -240,10 +268,13 @@ class Trainer:
                 if done >= next_ckpt and progress.steps < self.total_steps:
                     self.save_checkpoint()
                     next_ckpt = _next_multiple(done, cfg.checkpoint.every)
-            if progress.val_losses[-1][0] != progress.steps and self.stop.signal is None:
+            # Agreed once more: a signal that reached some ranks during the last round must not send them
+            # to the checkpoint's collectives while the others evaluate (a sharded model's eval gathers).
+            stopped = self.stop.agreed()
+            if progress.val_losses[-1][0] != progress.steps and not stopped:
                 self.evaluate()
             self.save_checkpoint()
-            status = "completed" if self.stop.signal is None else "interrupted"
+            status = "completed" if not stopped else "interrupted"
             if self.backend.world_size > 1:
                 # Every rank done before any tears its process groups down (gloo can abort otherwise).
                 self.backend.barrier()
@@ -299,6 +330,8 @@ class Trainer:
             fragment, starting = starting[0], starting[1:]
             losses, step = progress.round_losses, progress.steps
             loss_sum_count = (sum(losses), len(losses) if self.topology.is_lead else 0)
+            if self.topology.sharded:  # every rank holds the worker's sum: a checkpoint saves it once
+                loss_sum_count = (engine.worker_sum(sum(losses))[0], len(losses))
             sync = engine.start(fragment, contributing, step, {"loss_sum_count": loss_sum_count})
             progress.round_losses = []
             if sync.apply_step <= progress.steps:
@@ -468,13 +501,23 @@ class Trainer:
         step, keep = self.progress.steps, self.cfg.checkpoint.keep
         with record_function("muloco::checkpoint"):
             if self.topology.sharded:
-                state["layout_fingerprint"] = layout_free_fingerprint(self.cfg)
-                prefix, lead = f"replica{self.local_indices[0]}", self.topology.is_lead
-                path = save_sharded(state, self.checkpoint_dir, step, keep, self.backend, prefix, lead)
+                path = self._save_sharded(state, step, keep)
             else:
                 path = save_checkpoint(state, self.checkpoint_dir, step, keep)
         log.info("checkpoint path=%s step=%d", path, self.progress.steps)
         return path
+
+    def _save_sharded(self, state: dict[str, Any], step: int, keep: int) -> Path:
+        """A collective of every rank (sharded_checkpoint.py); the worker's lead writes the state that is
+        the same on its ranks, so the ranks' RNG states go along as a list."""
+        worker = self.topology.worker
+        buffer = io.BytesIO()
+        torch.save(state["rng"], buffer)
+        blobs = worker.all_gather_bytes(buffer.getvalue()).wait()
+        state["rng"] = {"by_rank": [torch.load(io.BytesIO(b), weights_only=True) for b in blobs]}
+        info = {"layout_fingerprint": layout_free_fingerprint(self.cfg), "workers": self.cfg.workers}
+        prefix, lead = f"replica{self.local_indices[0]}", self.topology.is_lead
+        return save_sharded(state, self.checkpoint_dir, step, keep, self.backend, prefix, lead, info)
 
     def write_summary(self, status: str) -> dict[str, Any]:
         """summary.json (summary.py): the config's key figures and every component's summary."""

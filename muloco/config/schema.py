@@ -157,6 +157,7 @@ class Config(Section):
             (self.inner.optimizer == "torch_muon", "inner.optimizer=torch_muon (use muon)"),
             (self.sync.aggregate != "mean", f"sync.aggregate={self.sync.aggregate} (use mean)"),
             (self.diagnostics.alignment, "diagnostics.alignment=true (set it false)"),
+            (self.outer.offload == "cpu", "outer.offload=cpu (set outer.offload=none)"),
             (
                 self.sync.transport == "reduce_scatter",
                 "sync.transport=reduce_scatter (its owners' buffers are per rank; use auto or all_gather)",

@@ -235,7 +235,7 @@ class SyncEngine:
                 delta = replica.pseudogradient(self.outer.params, indices)
                 norm = global_norm(delta)
                 if self.shard_group is not None:  # every rank of the worker judges the replica alike
-                    sq, unhealthy = self._across_shards(norm**2, float(not replica.healthy))
+                    sq, unhealthy = self.worker_sum(norm**2, float(not replica.healthy))
                     norm, replica.healthy = math.sqrt(sq), unhealthy == 0
                 if not usable(replica, norm):
                     self._reset(position, replica, step, norm)
@@ -288,7 +288,7 @@ class SyncEngine:
                 0.0,
             )
         # Collectives: known now (a swarm's when its group is). Sharded: the worker's = its ranks' sum.
-        payload, sent = self._across_shards(payload, pending.bytes_sent)
+        payload, sent, numel = self.worker_sum(payload, pending.bytes_sent, numel)
         self.ledger.count(sent, pending.bytes_sent)
         if payload:
             self.ledger.payload_by_fragment[fragment] = payload
@@ -352,20 +352,26 @@ class SyncEngine:
 
         # Outer Nesterov step on the fragment's fp32 global parameters (its own momentum buffers). Never
         # with a non-finite value: without a finite mean the step is skipped.
-        # Sharded: finite on every rank of the worker or on none (each holds its rows of the mean).
-        finite = mean.values is not None and math.isfinite(self._norm(mean.values))
+        finite = mean.values is not None and math.isfinite(global_norm(mean.values))
+        left_out = mean.left_out
+        if self.shard_group is not None:
+            # Each rank holds its rows of the mean, decoded from its own sync group's messages: the worker
+            # steps only if every rank has finite rows, and counts what any rank left out.
+            R = self.shard_group.world_size
+            unusable, left = self.worker_sum(float(not finite), float(mean.left_out))
+            finite, left_out = unusable == 0, math.ceil(left / R)
         update_norm = None
         if finite:
             with record_function("muloco::outer_step"):
                 update_norm = self.outer.step(mean.values, None if len(self.fragments) == 1 else indices)
             if self.shard_group is not None:
-                update_norm = math.sqrt(self._across_shards(update_norm**2)[0])
-        left_out = mean.left_out if finite else max(mean.left_out, 1)
+                update_norm = math.sqrt(self.worker_sum(update_norm**2)[0])
+        left_out = left_out if finite else max(left_out, 1)
         self.guard.record(left_out, f"sync of fragment {sync.fragment} at step {self.progress.steps}")
         self.progress.fragment_syncs += 1
         self.progress.outer_steps = self.progress.fragment_syncs // len(self.fragments)
         if mean.bytes_sent or self.shard_group is not None:
-            (sent,) = self._across_shards(mean.bytes_sent)
+            (sent,) = self.worker_sum(mean.bytes_sent)
             self.ledger.count(sent, mean.bytes_sent)
 
         # Merge: local <- alpha local + (1 - alpha) global (alpha = 0: restart from the global ones).
@@ -388,10 +394,11 @@ class SyncEngine:
         norm = global_norm(tensors)
         if self.shard_group is None:
             return norm
-        return math.sqrt(self._across_shards(norm**2)[0])
+        return math.sqrt(self.worker_sum(norm**2)[0])
 
-    def _across_shards(self, *values: float) -> list[float]:
-        """Sums over the worker's ranks when sharded (one small all-reduce); the values otherwise."""
+    def worker_sum(self, *values: float) -> list[float]:
+        """Sums over the worker's ranks when sharded (one small all-reduce, a collective of the worker's
+        ranks); the values otherwise."""
         if self.shard_group is None:
             return list(values)
         total = self.shard_group.all_reduce_sum([torch.tensor(values, dtype=torch.float64)]).wait()[0]
@@ -488,6 +495,10 @@ class SyncEngine:
                 if ef is not None and ef_state is not None:
                     ef.load_state_dict(ef_state)
         self.in_flight = [InFlightSync.from_state_dict(s) for s in state["in_flight"]]
+        for sync in self.in_flight:  # a checkpoint loads on the CPU: a mean goes where the outer step is
+            mean = sync.result.wait()
+            if mean.values is not None:
+                mean.values = [v.to(self.outer.device) for v in mean.values]
         self.unsynced = list(state["unsynced"])
 
 

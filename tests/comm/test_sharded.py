@@ -63,15 +63,17 @@ def launch(nproc: int, *overrides: str, timeout: float = 300):
     [
         ["inner.optimizer=adamw"],
         # Sharded Muon (fp32 Newton-Schulz), 4-bit row-wise messages with error feedback per shard, and
-        # streaming (2 fragments, each applied tau = 1 step after it starts). Without gradient clipping,
-        # whose norm summed over shards rounds otherwise than over whole tensors: rounding to 16 levels
-        # would turn such a last-bit difference into a whole step.
+        # streaming (2 fragments, each applied tau = 1 step after it starts). Bitwise-equal gradients, as
+        # rounding to 16 levels turns a last-bit difference into a whole step: no clipping (its norm
+        # summed over shards rounds otherwise than over whole tensors) and one micro-batch per rank (a
+        # sharded rank reduce-scatters every micro-batch's gradients, a replicated one sums them first).
         [
             "inner.ns_dtype=fp32",
             "compression.scheme=linear",
             "compression.bits=4",
             "compression.error_feedback=true",
             "train.grad_clip=0",
+            "train.micro_batch_tokens=256",  # one micro-batch per rank: each gradient summed once
             "sync.every=4",
             "sync.fragments=2",
             "sync.overlap=1",
@@ -144,6 +146,10 @@ def test_sharded_checkpoints_resume_bitwise_after_a_kill_and_with_fewer_ranks(tm
     for key in tensors:
         assert torch.equal(reference[key], resumed[key]), key
 
+    # The same run directory with the other sharding refuses to start over beside its checkpoints.
+    other = run_muloco("launch", "--nproc", 4, QS, *victim_run, "sharding=replicate", timeout=120)
+    assert other.returncode == 2 and "holds checkpoints of sharding=fsdp" in other.stderr
+
     step6 = next(p for p in list_sharded(tmp_path / "A" / "checkpoints" / "sharded") if p.name.endswith("06"))
     fewer = [*args, "ranks_per_worker=1", "checkpoint.keep=20", f"checkpoint.resume={step6}", "run.name=C"]
     result = launch(2, *fewer)
@@ -170,6 +176,7 @@ def test_a_sharded_worker_hosts_one_replica(tmp_path, TINY):
         (["backend.kind=local"], "backend.kind=local"),
         (["backend.kind=torch", "sync.transport=reduce_scatter"], "sync.transport=reduce_scatter"),
         (["backend.kind=torch", "model.compile=true"], "model.compile=true"),
+        (["backend.kind=torch", "outer.offload=cpu"], "outer.offload=cpu"),
     ],
 )
 def test_unsupported_sharded_layouts_exit_2_with_one_line(tmp_path, TINY, bad, message):
