@@ -114,9 +114,19 @@ def run_rank_scripts(script: str, world_size: int, out: Path, timeout: float) ->
     logs = [out / f"rank{r}.log" for r in range(world_size)]
     procs = []
     try:
+        # -X faulthandler: a rank that crashes in native code (SIGSEGV, SIGABRT) prints its Python stack.
         for rank, log in enumerate(logs):
             with open(log, "w") as sink:  # a file, not a pipe: a chatty rank cannot block on a full pipe
-                cmd = [sys.executable, script, str(rank), str(world_size), port, str(out)]
+                cmd = [
+                    sys.executable,
+                    "-X",
+                    "faulthandler",
+                    script,
+                    str(rank),
+                    str(world_size),
+                    port,
+                    str(out),
+                ]
                 procs.append(subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env))
         deadline = time.monotonic() + timeout
         for p in procs:
@@ -125,5 +135,10 @@ def run_rank_scripts(script: str, world_size: int, out: Path, timeout: float) ->
         for p in procs:
             p.kill()
             p.wait()
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {rank}:\n{log.read_text()[-3000:]}"
+    # Every failed rank's log: the first to fail is often not rank 0 (the others then see a reset peer).
+    failed = [
+        f"rank {r} (exit {p.returncode}):\n{log.read_text()[-2000:]}"
+        for r, (p, log) in enumerate(zip(procs, logs, strict=True))
+        if p.returncode != 0
+    ]
+    assert not failed, "\n".join(failed)
