@@ -49,9 +49,7 @@ def load_trained_model(run_dir: Path) -> tuple[nn.Module, object, int]:
     info = _tokenizer_info(run_dir, cfg)
     if cfg.sharding == "fsdp":  # the newest sharded checkpoint, read whole (sharded_checkpoint.py)
         newest = list_sharded(run_dir / "checkpoints" / "sharded")[-1:]
-        found = (
-            (newest[0], load_sharded(newest[0], "replica0", None, torch.device("cpu"))) if newest else None
-        )
+        found = (newest[0], load_sharded(newest[0], "replica0", None)) if newest else None
     else:
         found = find_resume_state("auto", run_dir / "checkpoints")
     if found is None:

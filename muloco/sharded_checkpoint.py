@@ -67,7 +67,7 @@ def _is_record(value: Any) -> bool:
     return isinstance(value, dict) and "__tensor__" in value
 
 
-def _targets(skeleton: Any, mesh, device: torch.device, flat: dict[str, Any]) -> None:
+def _targets(skeleton: Any, mesh, flat: dict[str, Any]) -> None:
     """Empty tensors to load into, laid out for this run: a sharded one as this rank's rows on `mesh`
     (whole without a mesh: one process reading the checkpoint, e.g. `muloco sample`)."""
     if _is_record(skeleton):
@@ -81,10 +81,10 @@ def _targets(skeleton: Any, mesh, device: torch.device, flat: dict[str, Any]) ->
             flat[skeleton["__tensor__"]] = torch.zeros(shape, dtype=dtype, device="cpu")
     elif isinstance(skeleton, dict):
         for v in skeleton.values():
-            _targets(v, mesh, device, flat)
+            _targets(v, mesh, flat)
     elif isinstance(skeleton, list | tuple):
         for v in skeleton:
-            _targets(v, mesh, device, flat)
+            _targets(v, mesh, flat)
 
 
 def _rebuild(skeleton: Any, flat: dict[str, Any]) -> Any:
@@ -180,7 +180,7 @@ def find_sharded(resume: str, directory: Path, backend: Backend) -> Path | None:
     return directory / agreed if agreed else None
 
 
-def _read(path: Path, prefix: str, mesh, device: torch.device) -> tuple[Any, dict[str, Any]]:
+def _read(path: Path, prefix: str, mesh) -> tuple[Any, dict[str, Any]]:
     """The replica's skeleton (its own small tensor), then every tensor it names."""
     key = f"{prefix}/skeleton"
     size = dcp.FileSystemReader(path).read_metadata().state_dict_metadata[key].size
@@ -189,12 +189,12 @@ def _read(path: Path, prefix: str, mesh, device: torch.device) -> tuple[Any, dic
     dcp.load(head, checkpoint_id=path, no_dist=alone)
     skeleton = torch.load(io.BytesIO(head[key].numpy().tobytes()), weights_only=True)
     flat: dict[str, Any] = {}
-    _targets(skeleton, mesh, device, flat)
+    _targets(skeleton, mesh, flat)
     dcp.load(flat, checkpoint_id=path, no_dist=alone)
     return skeleton, flat
 
 
-def load_sharded(path: Path, prefix: str, mesh, device: torch.device) -> dict[str, Any]:
+def load_sharded(path: Path, prefix: str, mesh) -> dict[str, Any]:
     """This replica's state from the checkpoint at `path`, laid out for this run: sharded tensors as
     DTensors of this rank's rows on `mesh` (any number of ranks; a collective), the rest whole. Without a
     mesh (and without torch.distributed): every tensor whole."""
@@ -202,7 +202,7 @@ def load_sharded(path: Path, prefix: str, mesh, device: torch.device) -> dict[st
         with warnings.catch_warnings():
             # Reading alone is meant here; DCP warns that torch.distributed is not initialized.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            skeleton, flat = _read(path, prefix, mesh, device)
+            skeleton, flat = _read(path, prefix, mesh)
     except Exception as exc:  # DCP raises many types for a missing key or a torn file
         raise CheckpointError(
             f"sharded checkpoint {path} is unreadable or holds no {prefix} ({type(exc).__name__}: "

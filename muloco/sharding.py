@@ -60,10 +60,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, bf16: bool) -> nn.Module:
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
-
-
 def reshard(model: nn.Module) -> None:
     """Back to this rank's rows after a forward without backward (an eval): FSDP2 keeps the root's
     gathered parameters until the backward that never comes. A no-op for a model that is not sharded."""

@@ -211,7 +211,7 @@ class Trainer:
         if path is None:
             return None
         mesh = next(p for p in self.replicas[0].model.parameters()).device_mesh
-        state = load_sharded(path, f"replica{self.local_indices[0]}", mesh, self.device)
+        state = load_sharded(path, f"replica{self.local_indices[0]}", mesh)
         # Every rank of the worker saved its RNG; a rank beyond the saved ranks (R grew) takes the lead's.
         by_rank = state["rng"]["by_rank"]
         state["rng"] = by_rank[min(self.topology.local_rank, len(by_rank) - 1)]

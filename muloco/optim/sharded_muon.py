@@ -36,7 +36,7 @@ them, on every rank, with no collective: a mesh of one.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,11 +46,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from muloco.optim.distributed_muon import balance, ns_flops
-from muloco.optim.muon import AdjustLR, Muon, _buckets, adjusted_lr, oriented, stack_normalized
+from muloco.optim.muon import Muon, _buckets, adjusted_lr, oriented, stack_normalized
 from muloco.optim.newton_schulz import (
     EPS,
-    CoefficientsLike,
-    Method,
     default_ns_dtype,
     ns_iterate,
     resolve_coefficients,
@@ -91,37 +89,12 @@ class ShardedMuon(Muon):
     rows only) for a DTensor parameter, a full tensor for a plain one. `state_bytes()` counts this rank's.
     """
 
-    def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 0.02,
-        weight_decay: float = 0.0,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_steps: int = 5,
-        ns_coefficients: CoefficientsLike = "keller",
-        adjust_lr: AdjustLR = "spectral",
-        *,
-        ns_dtype: torch.dtype | None = None,
-        ns_method: Method = "auto",
-    ) -> None:
-        # Set before Muon.__init__, which calls add_param_group, which finds the mesh and assigns owners.
-        self.mesh: DeviceMesh | None = None
-        self.process_group: dist.ProcessGroup | None = None
-        self.world_size, self.rank = 1, 0
-        self._owner: dict[Tensor, int] = {}  # DTensor parameter -> owner rank
-        super().__init__(
-            params,
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_steps=ns_steps,
-            ns_coefficients=ns_coefficients,
-            adjust_lr=adjust_lr,
-            ns_dtype=ns_dtype,
-            ns_method=ns_method,
-        )
+    # Muon's constructor calls add_param_group, which finds the mesh and assigns owners; until a group
+    # holds DTensors these are a mesh of one.
+    mesh: DeviceMesh | None = None
+    process_group: dist.ProcessGroup | None = None
+    world_size, rank = 1, 0
+    _owner: dict[Tensor, int] = {}  # DTensor parameter -> owner rank; replaced, never mutated
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.state:

@@ -256,7 +256,6 @@ class SyncEngine:
         payload = (
             4.0 * numel if codec is None else (sum(map(len, messages)) / len(messages) if messages else 0.0)
         )
-        own_payload = payload
         delay = self.delay(step) if delay is None else delay
         with record_function("muloco::reduce"):
             contribution = Contribution(
@@ -264,7 +263,7 @@ class SyncEngine:
                 step,
                 healthy,
                 like,
-                own_payload,
+                payload,
                 delta_sum,
                 messages,
                 codec,
@@ -298,7 +297,7 @@ class SyncEngine:
 
         cosine = None
         if unit_sum is not None and healthy > 1:
-            cosine = (self._norm(unit_sum) ** 2 - healthy) / (healthy * (healthy - 1))
+            cosine = (global_norm(unit_sum) ** 2 - healthy) / (healthy * (healthy - 1))
         stats: dict[str, Any] = {
             "norm_sum_count": (sum(norms), len(norms)),
             "pseudograd_cosine": cosine,
@@ -388,13 +387,6 @@ class SyncEngine:
         record = self._record(sync, mean, update_norm, left_out)
         self.reducer.after_sync(self, mean, replicas)
         return record
-
-    def _norm(self, tensors: list[torch.Tensor]) -> float:
-        """The L2 norm of the tensors, over the whole worker's rows when sharded (a collective)."""
-        norm = global_norm(tensors)
-        if self.shard_group is None:
-            return norm
-        return math.sqrt(self.worker_sum(norm**2)[0])
 
     def worker_sum(self, *values: float) -> list[float]:
         """Sums over the worker's ranks when sharded (one small all-reduce, a collective of the worker's
