@@ -123,7 +123,7 @@ class GPT(nn.Module):
         logits = self.head(self.final_norm(x))  # (B, T, vocab)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def build_gpt(model_cfg, vocab_size: int) -> GPT:

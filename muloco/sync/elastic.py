@@ -85,6 +85,10 @@ class Membership(Component):
 
 class ElasticReducer:
     workers: int | None
+    # all_gather only: a quorum's members are fixed for one sync, but a member that fails between
+    # reduce_scatter's two collectives would leave its parts' means with no owner to send them, and a
+    # healer joining a sync has no parts to own (docs/transport.md, "Backends").
+    transports = ("all_gather",)
 
     def __init__(self, section: TorchftBackendConfig, workers: int, topology: Topology | None = None) -> None:
         self.section, self.workers = section, workers

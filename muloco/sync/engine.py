@@ -129,7 +129,7 @@ class SyncEngine:
             self.codecs = [
                 PseudogradientCodec([names[i] for i in f], [NoCompression()] * len(f)) for f in self.fragments
             ]
-        self.transport = self._choose_transport(model, sync, compression, shapes, reducer.workers, wan)
+        self.transport = self._choose_transport(model, sync, compression, shapes, reducer, wan)
         ef = compression if isinstance(compression, CompressionConfig) else None
         with_ef = bool(ef and ef.error_feedback and compressed)
         self.error_feedback = [
@@ -149,9 +149,10 @@ class SyncEngine:
         self.unsynced = [False] * len(self.fragments)  # inner steps not yet covered by a started sync
         reducer.open(shapes, self.codecs)
 
-    def _choose_transport(self, model, sync, compression, shapes, workers, wan) -> str:
-        """sync.transport resolved (transport.py); reduce_scatter wraps each fragment's codec into K parts
-        whose owners re-quantize the mean with `compression.mean_bits`."""
+    def _choose_transport(self, model, sync, compression, shapes, reducer, wan) -> str:
+        """sync.transport resolved among the reducer's transports (transport.py); reduce_scatter wraps each
+        fragment's codec into K parts whose owners re-quantize the mean with `compression.mean_bits`."""
+        workers = reducer.workers
         if not self.codecs:
             return choose_transport(sync.transport, workers, False, None, 0.0, 0.0)
         if sync.aggregate != "mean":
@@ -160,7 +161,9 @@ class SyncEngine:
         message = sum(c.payload_bits(s) / 8 for c, s in zip(self.codecs, shapes, strict=True))
         mean = sum(c.payload_bits(s) / 8 for c, s in zip(mean_codecs, shapes, strict=True))
         link = wan.link if wan is not None else None
-        transport = choose_transport(sync.transport, workers, True, link, message, mean)
+        # A reducer that does not declare its transports (a user's own, via the Python API) gets all_gather.
+        supported = getattr(reducer, "transports", ("all_gather",))
+        transport = choose_transport(sync.transport, workers, True, link, message, mean, supported)
         if transport == "reduce_scatter" and self.shard_group is not None:
             transport = "all_gather"  # its part owners' buffers are per rank, not resharded (config.py)
         if transport == "reduce_scatter":

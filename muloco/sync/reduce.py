@@ -119,8 +119,15 @@ class SharedState(Protocol):
     def fragment_syncs(self) -> int: ...
 
 
+# The transports of compressed syncs (transport.py). reduce_scatter needs a fixed part owner per part for
+# the whole sync, and every member of the sync's group in both of its collectives.
+ALL_TRANSPORTS = ("all_gather", "reduce_scatter")
+
+
 class Reducer(Protocol):
     workers: int | None  # K when fixed (collectives); None for a swarm, whose groups come and go
+    # The compressed transports it can carry; sync.transport=auto picks only among these (transport.py).
+    transports: tuple[str, ...]
 
     def local_replicas(self, workers: int) -> list[int]:
         """The global indices of the replicas this process hosts."""
@@ -149,6 +156,8 @@ class CollectiveReducer:
     simulation, hold the same mean, bit for bit). With workers of R ranks (topology.worker), the lead rank
     of each worker takes part across workers and broadcasts the mean to its worker's other ranks; sharded
     workers have no lead: every rank averages its rows with the same rank of the other workers."""
+
+    transports = ALL_TRANSPORTS
 
     def __init__(self, topology: Topology, workers: int) -> None:
         self.topology, self.workers = topology, workers

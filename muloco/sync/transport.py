@@ -22,14 +22,19 @@ def choose_transport(
     link: Link | None,
     message_bytes: float,
     mean_bytes: float,
+    supported: tuple[str, ...] = ("all_gather", "reduce_scatter"),
 ) -> str:
-    """all_reduce (fp32), all_gather or reduce_scatter; logged with the reason. `workers` is None for a
-    swarm (groups change every sync: no fixed part owners)."""
+    """all_reduce (fp32), all_gather or reduce_scatter; logged with the reason. `supported`: the reducer's
+    compressed transports (Reducer.transports): `auto` picks only among them, and an explicit request
+    for another is a UserError. `workers` is None when the group is not fixed (the Python API's swarm)."""
     if not compressed:
         return "all_reduce"
-    if workers is None:
-        if requested == "reduce_scatter":
-            raise UserError("sync.transport=reduce_scatter needs backend.kind local or torch; use auto")
+    if requested != "auto" and requested not in supported:
+        raise UserError(
+            f"sync.transport={requested} needs backend.kind local or torch (fixed part owners); this "
+            f"backend carries {', '.join(supported)}: use sync.transport=auto"
+        )
+    if workers is None or "reduce_scatter" not in supported:
         return "all_gather"
     chosen = requested if requested != "auto" else faster_transport(link, message_bytes, mean_bytes, workers)
     log.info(

@@ -73,6 +73,7 @@ class RecordingReducer:
     """A fake reducer: the mean is what it was given, completed at once; it records the protocol calls."""
 
     workers = 1
+    transports = ("all_gather",)
 
     def __init__(self):
         self.calls = []
