@@ -1,9 +1,10 @@
 """muloco: low-communication distributed training of language models (DiLoCo, MuLoCo).
 
-Map of the package (arrows point down only; see DESIGN.md):
-    cli.py -> trainer.py (loop) -> sync/ (the engine) -> compress/, comm/ (reducers, backends)
+Map of the package (arrows point down only; docs/design.md draws it):
+    cli.py -> run/ (trainer.py: the loop) -> sync/ (the engine) -> compress/, comm/ (reducers, backends)
     diloco.py (DiLoCo, the Python API) -> sync/
-    config/ (the schema), models/, data/, optim/, replica.py, dp.py, run_state.py, checkpoint.py
+    tools/ (report, plots, sample) and sweep/ read finished runs; net/ models links and starts processes
+    checkpoint/, config/ (the schema), models/, data/, optim/, errors.py underneath
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from muloco.config import load_config
-    from muloco.trainer import EXIT_INTERRUPTED, Trainer
+    from muloco.run.trainer import EXIT_INTERRUPTED, Trainer
 
     cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg)
@@ -137,7 +137,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from muloco.config import load_config
-    from muloco.launch import launch
+    from muloco.net.launch import launch
 
     cfg = load_config(args.config, args.overrides)  # fail here, once, rather than in every rank
     return launch(
@@ -158,7 +158,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from muloco.report import build_report
+    from muloco.tools.report import build_report
 
     outputs = build_report(args.directory)
     for path in outputs.values():
@@ -192,7 +192,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from muloco.sample import sample_run
+    from muloco.tools.sample import sample_run
 
     for text in sample_run(
         args.run_dir,
@@ -218,7 +218,7 @@ def cmd_swarm_key(args: argparse.Namespace) -> int:
 def _plan_params(text: str) -> float:
     from muloco.config import MODEL_PRESETS, load_config
     from muloco.models import build_model
-    from muloco.wan import parse_count
+    from muloco.net.wan import parse_count
 
     if text in MODEL_PRESETS:
         cfg = load_config(None, [f"model.preset={text}"])
@@ -235,7 +235,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from muloco.compress.bits import QUANT_BITS, one_of
-    from muloco.wan import Link, estimate_step_seconds, format_plan, plan, plan_as_dict
+    from muloco.net.wan import Link, estimate_step_seconds, format_plan, plan, plan_as_dict
 
     params = _plan_params(args.params)
     for name in ("workers", "sync_every", "fragments"):

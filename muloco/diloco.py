@@ -28,8 +28,8 @@ from muloco.comm import Backend, LocalBackend
 from muloco.compress import Compressor
 from muloco.config import CompressionConfig, HivemindBackendConfig, OuterConfig, SyncConfig
 from muloco.errors import UserError
-from muloco.replica import Replica
-from muloco.run_state import CommLedger, Progress
+from muloco.run.replica import Replica
+from muloco.run.state import CommLedger, Progress
 from muloco.sync import CollectiveReducer, Reducer, SyncEngine, SyncRecord
 
 STATE_FORMAT = 2  # of state_dict(): 2 = the engine's state, progress and ledger (1: outer and counters)

@@ -84,7 +84,7 @@ def wiring(backend: str, rank: int, world: int, case: dict, rendezvous: Path) ->
     lighthouse = None
     if rank == 0:
         from muloco.config import TorchftBackendConfig
-        from muloco.launch import start_lighthouse
+        from muloco.net.launch import start_lighthouse
 
         lighthouse, address = start_lighthouse(TorchftBackendConfig())
         address_file.write_text(address)

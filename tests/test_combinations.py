@@ -23,7 +23,7 @@ from conftest import TINY
 from test_helpers import run_muloco
 
 from muloco.cli import main as muloco_main
-from muloco.launch import free_port
+from muloco.net.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QS = str(ROOT / "configs/quickstart.yaml")

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from muloco.build import cpu_compiler
 from muloco.config import load_config
-from muloco.trainer import Trainer
+from muloco.run.build import cpu_compiler
+from muloco.run.trainer import Trainer
 
 pytestmark = [
     pytest.mark.slow,  # inductor compiles C++: ~40 s on 2 cores

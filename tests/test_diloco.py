@@ -12,11 +12,11 @@ from muloco.compress import get_compressor
 from muloco.config import CompressionConfig, HivemindBackendConfig, load_config
 from muloco.data import ReplicaStream
 from muloco.errors import TrainingError
-from muloco.lr_schedule import lr_multiplier
 from muloco.models import build_model
 from muloco.optim import build_inner_optimizer
-from muloco.replica import set_lr_multiplier
-from muloco.trainer import Trainer
+from muloco.run.lr_schedule import lr_multiplier
+from muloco.run.replica import set_lr_multiplier
+from muloco.run.trainer import Trainer
 
 STAT4_EF = [
     "compression.scheme=statistical",

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from muloco.checkpoint import list_checkpoints, load_checkpoint
+from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
 from muloco.data import ReplicaStream
-from muloco.lr_schedule import lr_multiplier
 from muloco.models import build_model
 from muloco.optim import build_inner_optimizer
-from muloco.replica import set_lr_multiplier
+from muloco.run.lr_schedule import lr_multiplier
+from muloco.run.replica import set_lr_multiplier
 
 
 def params_of(model):
@@ -105,7 +105,7 @@ class LineReader:
 def run_rank_scripts(script: str, world_size: int, out: Path, timeout: float) -> None:
     """Run `script` as R rank processes (argv: rank, world size, a free port, out); every one ends
     (killed at the latest) before this returns, and each must exit 0 (its log is in the failure)."""
-    from muloco.launch import free_port
+    from muloco.net.launch import free_port
 
     port = str(free_port())
     tests = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_helpers import run_muloco as muloco
 
-from muloco.sample import sample_run
+from muloco.tools.sample import sample_run
 
 ROOT = Path(__file__).resolve().parent.parent
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

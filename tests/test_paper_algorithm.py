@@ -26,7 +26,7 @@ import torch
 from muloco.config import load_config
 from muloco.data import ReplicaStream
 from muloco.models import build_model
-from muloco.trainer import Trainer
+from muloco.run.trainer import Trainer
 
 # The 5 per-iteration quintic triples of the MuLoCo paper's Muon (You Jiacheng's schedule,
 # x.com/YouJiacheng/status/1905861218138804534, also in microsoft/dion).

@@ -12,11 +12,11 @@ import pytest
 import torch
 from test_helpers import hand_inner_steps, params_of
 
-from muloco.checkpoint import list_checkpoints, load_checkpoint
+from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
 from muloco.cli import main
 from muloco.config import load_config
 from muloco.errors import TrainingError
-from muloco.trainer import Trainer
+from muloco.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 QS = str(ROOT / "configs/quickstart.yaml")
@@ -328,14 +328,14 @@ def test_max_bad_syncs_in_a_row_stop_the_run_and_keep_the_checkpoint(tiny, capsy
 
 
 def test_diverged_run_exits_1_with_one_line(tiny, capsys, monkeypatch):
-    import muloco.replica
+    import muloco.run.replica
 
     def nan_loss(self, *args, **kwargs):
         with torch.no_grad():
             next(self.model.parameters()).fill_(float("nan"))
         return float("nan")
 
-    monkeypatch.setattr(muloco.replica.Replica, "train_step", nan_loss)
+    monkeypatch.setattr(muloco.run.replica.Replica, "train_step", nan_loss)
     assert main(["train", QS, *tiny, *INTERRUPTIBLE, "train.max_bad_syncs=1"]) == 1
     errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("muloco: error:")]
     assert len(errors) == 1 and "diverged" in errors[0]
@@ -397,7 +397,7 @@ def test_a_second_ctrl_c_leaves_at_once_keeping_the_last_checkpoint(tiny):
 
 
 def test_a_failed_write_leaves_the_earlier_checkpoints_and_no_temporary_file(tmp_path, monkeypatch):
-    from muloco import checkpoint
+    from muloco.checkpoint import plain as checkpoint
 
     checkpoint.save_checkpoint({"step": 1}, tmp_path, 1, keep=5)
     before = snapshot(tmp_path)
@@ -413,7 +413,7 @@ def test_a_failed_write_leaves_the_earlier_checkpoints_and_no_temporary_file(tmp
 
 
 def test_only_the_newest_keep_checkpoints_remain(tmp_path):
-    from muloco.checkpoint import save_checkpoint
+    from muloco.checkpoint.plain import save_checkpoint
 
     for step in range(1, 6):
         save_checkpoint({"step": step}, tmp_path, step, keep=2)
@@ -426,7 +426,7 @@ class _NotATensor:
 
 def test_checkpoints_load_with_weights_only(tmp_path):
     """A checkpoint that would need arbitrary unpickling (code execution) is refused."""
-    from muloco.checkpoint import FORMAT_VERSION
+    from muloco.checkpoint.plain import FORMAT_VERSION
     from muloco.errors import CheckpointError
 
     path = tmp_path / "step_00000001.pt"

@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default="experiments/benchmarks/results/bench_backends.json")
     args = parser.parse_args()
-    from muloco.launch import free_port
+    from muloco.net.launch import free_port
 
     threads = max(1, (os.cpu_count() or 1) // args.nproc)
     ctx = mp.get_context("spawn")

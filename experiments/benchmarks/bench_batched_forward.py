@@ -1,7 +1,7 @@
 """Forward/backward of K small replicas: one after another, all in one vmap(grad(functional_call)) call,
 or (the bound) one model on the union of their batches, as DP computes it.
 
-simulation.batched steps the optimizers of all replicas together (muloco/batched.py); whether their
+simulation.batched steps the optimizers of all replicas together (muloco/run/batched.py); whether their
 forward/backward should also be one call is this benchmark's question, per device. Rounds interleave the
 three ways; the table reports the median ms per step with the min-max spread.
 

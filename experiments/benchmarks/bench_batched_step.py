@@ -1,5 +1,5 @@
 """The optimizer step that simulation.batched changes, alone: K replicas' inner optimizers stepped one
-after another vs merged into one step (muloco/batched.py), on the same gradients.
+after another vs merged into one step (muloco/run/batched.py), on the same gradients.
 
 Rounds interleave the two ways on fixed gradients (the work per step does not depend on the values); the
 table reports the median ms per global step with the min-max spread, and the speed-up.
@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from muloco.batched import step_together  # noqa: E402
 from muloco.config import InnerConfig, ModelConfig  # noqa: E402
 from muloco.models import build_model  # noqa: E402
 from muloco.optim import build_inner_optimizer  # noqa: E402
+from muloco.run.batched import step_together  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_batched_step.json"
 

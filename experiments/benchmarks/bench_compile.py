@@ -42,7 +42,7 @@ CASES = {
 def run_one(overrides: list[str], steps: int) -> dict:
     """In the child: a 2-step warm-up run (compiles when asked), then the measured run."""
     from muloco.config import load_config
-    from muloco.trainer import Trainer
+    from muloco.run.trainer import Trainer
 
     started = time.perf_counter()
     Trainer(load_config(None, [*overrides, "train.total_tokens=8192", "run.name=warmup"])).run()

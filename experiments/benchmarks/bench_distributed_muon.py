@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from muloco.launch import free_port  # noqa: E402
+from muloco.net.launch import free_port  # noqa: E402
 from muloco.optim import DistributedMuon, Muon  # noqa: E402
 from muloco.optim.newton_schulz import default_ns_dtype  # noqa: E402
 

@@ -150,7 +150,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default="experiments/benchmarks/results/hivemind.json")
     args = parser.parse_args()
-    from muloco.launch import free_port
+    from muloco.net.launch import free_port
 
     ctx = mp.get_context("spawn")
     load_before = os.getloadavg()

@@ -55,7 +55,7 @@ def run_one(overrides: list[str]) -> dict:
     import torch
 
     from muloco.config import load_config
-    from muloco.trainer import Trainer
+    from muloco.run.trainer import Trainer
 
     cfg = load_config(None, overrides)
     if torch.cuda.is_available():
@@ -84,7 +84,7 @@ def paired(args, seqs: int) -> list[dict]:
     import torch
 
     from muloco.config import load_config
-    from muloco.trainer import Trainer
+    from muloco.run.trainer import Trainer
 
     batch_tokens = 8 * seqs * 128
     common = [

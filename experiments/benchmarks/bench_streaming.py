@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 from muloco.config import load_config
-from muloco.trainer import Trainer
-from muloco.wan import Link, estimate_step_seconds, format_plan, plan, plan_as_dict
+from muloco.net.wan import Link, estimate_step_seconds, format_plan, plan, plan_as_dict
+from muloco.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 # The quickstart run (MuLoCo K = 4, H = 15, 600k tokens) with 6 blocks, so that P = 3 strided fragments

@@ -116,7 +116,7 @@ def run_sync_part(args) -> dict:
     os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at INFO otherwise
     from torchft._torchft import LighthouseServer
 
-    from muloco.launch import free_port
+    from muloco.net.launch import free_port
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=60_000)
     address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"

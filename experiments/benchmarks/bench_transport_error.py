@@ -23,10 +23,10 @@ from muloco.comm import LocalBackend
 from muloco.compress import ErrorFeedback
 from muloco.config import CompressionConfig, load_config
 from muloco.models import param_roles
+from muloco.run.trainer import Trainer
 from muloco.sync import CollectiveReducer, Contribution
 from muloco.sync.codec import PseudogradientCodec
 from muloco.sync.scatter import PartitionedCodec
-from muloco.trainer import Trainer
 
 OUT = Path(__file__).parent / "results" / "bench_transport_error.json"
 

@@ -20,8 +20,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import TINY  # noqa: E402
 
 from muloco.config import load_config  # noqa: E402
-from muloco.replica import Replica  # noqa: E402
-from muloco.trainer import Trainer  # noqa: E402
+from muloco.run.replica import Replica  # noqa: E402
+from muloco.run.trainer import Trainer  # noqa: E402
 
 HONEST = Replica.pseudogradient
 SETTINGS = [(4, 12288), (5, 15360), (8, 24576)]  # K, tokens: 8 syncs at H = 3 (24 at K = 8)

@@ -18,9 +18,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from muloco.metrics import read_jsonl
-from muloco.report import RunRecord, load_runs
-from muloco.report import own_lr as lr  # the run's inner optimizer's own lr
+from muloco.run.metrics import read_jsonl
+from muloco.tools.report import RunRecord, load_runs
+from muloco.tools.report import own_lr as lr  # the run's inner optimizer's own lr
 
 ROOT = Path("runs/sweeps")
 OPTIMIZERS = {"adamw": "DiLoCo (AdamW)", "muon": "MuLoCo (Muon)"}
@@ -204,7 +204,7 @@ def gap_points(
 
 
 def plot_gaps(sweeps: dict[str, list[RunRecord]], workers_data: dict, directory: Path) -> list[Path]:
-    from muloco import plots
+    from muloco.tools import plots
 
     directory.mkdir(parents=True, exist_ok=True)
     written = []

@@ -1,7 +1,7 @@
 """The headline benchmark: DDP vs DiLoCo vs MuLoCo vs streaming MuLoCo over rate-limited links.
 
 Four workers of the `small` model (10.8M parameters), each its own host in a network namespace
-(`muloco.testbed`), links limited with tc tbf to each rate of --rates (Mbit/s, both directions). Rows:
+(`muloco.net.testbed`), links limited with tc tbf to each rate of --rates (Mbit/s, both directions). Rows:
 DDP (gradient all-reduce every step, Muon), DiLoCo fp32 H=30 (AdamW inside), MuLoCo fp32 H=30, MuLoCo 4-bit
 H=30 (statistical row-wise quantization with error feedback), streaming MuLoCo 4-bit (P=3, tau=2), on the
 torch backend (gloo over the emulated links), and MuLoCo 4-bit on the hivemind backend.
@@ -11,7 +11,7 @@ bytes sent per worker (counted by muloco, and on the wire by the kernel), val lo
 (--steps), and the wall-clock to reach DDP's final val loss at the same rate. The inner lr schedule is
 constant after warmup so that a longer run's first --steps steps are exactly the shorter run: the rows in
 --extend run --extend-factor x longer, and their loss at equal tokens is read at step --steps of the same run.
-Next to the measured times: the WAN planner's projection (muloco.wan.plan) from the measured step time.
+Next to the measured times: the WAN planner's projection (muloco.net.wan.plan) from the measured step time.
 
     python experiments/wan/bench_wan.py                       # ~50 min on 2 cores
     python experiments/wan/bench_wan.py --steps 30 --rates 100 --rows ddp,muloco_4bit   # a quick look
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import yaml
 
-from muloco.testbed import Testbed, missing_requirements, train_on_testbed
-from muloco.wan import Link, allreduce_seconds, sync_seconds
+from muloco.net.testbed import Testbed, missing_requirements, train_on_testbed
+from muloco.net.wan import Link, allreduce_seconds, sync_seconds
 
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "wan_small.yaml"
@@ -183,7 +183,7 @@ def run_row(testbed: Testbed, key: str, rate: float, steps: int, equal_steps: in
 
 def projected_s_per_1m_tokens(row: dict, step_s: float, link: Link) -> float:
     """The WAN planner's time for row's run on `link`, from the run's measured step time: every step's
-    compute plus, per sync, the transfer not hidden behind overlapped steps (muloco.wan's link model).
+    compute plus, per sync, the transfer not hidden behind overlapped steps (muloco.net.wan's link model).
     Streaming: its last sync sends every fragment at once without overlap (the run's final flush), which
     a per-outer-step plan, a steady state, leaves out."""
     K, H, P, steps = 4, 30, row["params"], row["steps"]

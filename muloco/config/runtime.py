@@ -258,8 +258,8 @@ class SimulationConfig(Section):
         "auto",
         description="Step a process's replicas together: each computes its gradients, then one optimizer "
         "step updates all of them (one Newton-Schulz call per matrix shape for all replicas; "
-        "muloco/batched.py). Same results as one replica after another. auto: on where it measured faster "
-        "(docs/benchmarks.md) and possible (no offload, ranks_per_worker=1).",
+        "muloco/run/batched.py). Same results as one replica after another. auto: on where it measured "
+        "faster (docs/benchmarks.md) and possible (no offload, ranks_per_worker=1).",
     )
 
 
@@ -267,7 +267,8 @@ class DiagnosticsConfig(Section):
     alignment: bool = Field(
         False,
         description="Log how the workers' pseudogradients align with each other and with one replica "
-        "trained on the union of their batches (muloco/alignment.py); doubles the compute; simulation only.",
+        "trained on the union of their batches (muloco/run/alignment.py); doubles the compute; simulation "
+        "only.",
     )
 
 

@@ -148,7 +148,7 @@ class Config(Section):
         return self
 
     def _check_fsdp(self) -> None:
-        """What a sharded worker can run (muloco/sharding.py)."""
+        """What a sharded worker can run (muloco/comm/sharding.py)."""
         unsupported = [
             (self.method == "dp", "method: dp (set method: diloco)"),
             (self.backend.kind != "torch", f"backend.kind={self.backend.kind} (use backend.kind=torch)"),

@@ -24,7 +24,7 @@ The files, each importing only the ones above it:
 - `runner.py`: `run_sweep` runs the plan, J subprocesses at a time, skipping runs whose summary.json says
   `completed`; Ctrl+C / SIGTERM stop the runs after their current round.
 - `main.py`: `sweep_main`, the `muloco sweep` command: plan, `--dry-run` listing (`describe_plan`), run,
-  then the report (summary.csv, report.md, plots; muloco.report).
+  then the report (summary.csv, report.md, plots; muloco.tools.report).
 """
 
 from muloco.sweep.expand import dp_baseline_assignment, expand_grid, run_names

@@ -1,5 +1,5 @@
 """`muloco sweep FILE [--jobs J] [--dry-run]`: plan (validating every run), list the plan or run what is not
-completed, then write the report (summary.csv, report.md, plots; muloco.report)."""
+completed, then write the report (summary.csv, report.md, plots; muloco.tools.report)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def sweep_main(path: str | Path, jobs: int = 1, dry_run: bool = False) -> int:
         return 0
     result = run_sweep(spec, runs, jobs)
 
-    from muloco.report import build_report  # matplotlib is slow to import: only when a report is due
+    from muloco.tools.report import build_report  # matplotlib is slow to import: only when a report is due
 
     try:
         log.info("report=%s", build_report(spec.output_dir)["report.md"])

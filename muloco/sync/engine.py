@@ -27,12 +27,13 @@ from torch import nn
 from torch.profiler import record_function
 
 from muloco.comm import Backend
+from muloco.comm.sharding import as_shard_of, local
 from muloco.compress import Compressor, ErrorFeedback, NoCompression
 from muloco.config import CompressionConfig, OuterConfig, SyncConfig
 from muloco.errors import UserError
 from muloco.models.roles import param_roles
-from muloco.run_state import CommLedger, Progress, WanProjection
-from muloco.sharding import as_shard_of, local
+from muloco.net.wan import sync_seconds
+from muloco.run.state import CommLedger, Progress, WanProjection
 from muloco.sync.codec import PseudogradientCodec
 from muloco.sync.fragments import SyncSchedule, fragment_indices
 from muloco.sync.guard import BadSyncGuard, usable
@@ -41,7 +42,6 @@ from muloco.sync.outer import OuterOptimizer
 from muloco.sync.reduce import Contribution, Mean, Reducer
 from muloco.sync.scatter import PartitionedCodec
 from muloco.sync.transport import choose_transport
-from muloco.wan import sync_seconds
 
 log = logging.getLogger("muloco")
 

@@ -18,7 +18,7 @@ import torch
 
 from muloco.config import HivemindBackendConfig
 from muloco.errors import UserError
-from muloco.launch import die_with_parent
+from muloco.net.launch import die_with_parent
 from muloco.sync.codec import PseudogradientCodec, unpack
 from muloco.sync.reduce import Contribution, Mean, PendingMean, SharedState
 

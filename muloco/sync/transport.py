@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from muloco.errors import UserError
-from muloco.wan import Link, faster_transport
+from muloco.net.wan import Link, faster_transport
 
 log = logging.getLogger("muloco")
 

@@ -13,8 +13,8 @@ import torch
 from test_helpers import run_muloco, start_muloco
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from muloco.checkpoint import list_checkpoints, load_checkpoint
-from muloco.sharded_checkpoint import list_sharded
+from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
+from muloco.checkpoint.sharded import list_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 QS = str(ROOT / "configs/quickstart.yaml")

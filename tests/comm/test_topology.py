@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_helpers import run_muloco
 
-from muloco.checkpoint import list_checkpoints, load_checkpoint
+from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
 from muloco.config import load_config
-from muloco.trainer import Trainer
+from muloco.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 QS = str(ROOT / "configs/quickstart.yaml")

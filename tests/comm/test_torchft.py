@@ -17,8 +17,8 @@ from test_helpers import (
     sync_records,
 )
 
-from muloco.checkpoint import list_checkpoints, load_checkpoint
-from muloco.launch import free_port
+from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
+from muloco.net.launch import free_port
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow

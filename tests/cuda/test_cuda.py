@@ -14,7 +14,7 @@ import torch
 
 from muloco.config import load_config
 from muloco.optim import Muon
-from muloco.trainer import Trainer
+from muloco.run.trainer import Trainer
 
 pytestmark = [
     pytest.mark.cuda,

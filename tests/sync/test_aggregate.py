@@ -7,9 +7,9 @@ from test_helpers import hand_inner_steps
 
 from muloco.config import load_config
 from muloco.errors import ConfigError
-from muloco.replica import Replica
+from muloco.run.replica import Replica
+from muloco.run.trainer import Trainer
 from muloco.sync.aggregate import _sorted, aggregate, trimmed_per_side
-from muloco.trainer import Trainer
 
 
 def column(*values: float) -> list[list[torch.Tensor]]:

@@ -11,7 +11,7 @@ from muloco.comm.torchft_group import QuorumFailed
 from muloco.compress import ErrorFeedback
 from muloco.config import OuterConfig, SyncConfig, TorchftBackendConfig, load_config
 from muloco.errors import ConfigError, TrainingError
-from muloco.replica import Replica
+from muloco.run.replica import Replica
 from muloco.sync import SyncEngine
 from muloco.sync.codec import pack
 from muloco.sync.elastic import ElasticReducer

@@ -4,7 +4,7 @@ import torch
 from test_helpers import hand_inner_steps
 
 from muloco.config import load_config
-from muloco.trainer import Trainer
+from muloco.run.trainer import Trainer
 
 
 def test_one_outer_step_equals_hand_computed_nesterov(tiny):

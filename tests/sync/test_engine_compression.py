@@ -5,12 +5,12 @@ import shutil
 import torch
 from test_helpers import hand_inner_steps
 
-from muloco.checkpoint import list_checkpoints
+from muloco.checkpoint.plain import list_checkpoints
 from muloco.config import load_config
 from muloco.models import build_model, param_roles
+from muloco.run.trainer import Trainer
 from muloco.sync.codec import PseudogradientCodec
 from muloco.sync.outer import nesterov_outer_step
-from muloco.trainer import Trainer
 
 COMPRESSED = ["compression.scheme=statistical", "compression.bits=4", "compression.granularity=row"]
 

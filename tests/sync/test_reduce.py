@@ -5,7 +5,7 @@ import torch
 from muloco.comm import CompletedHandle, LocalBackend, ring_allgather_bytes, ring_allreduce_bytes
 from muloco.compress import get_compressor
 from muloco.config import OuterConfig, SyncConfig
-from muloco.replica import Replica
+from muloco.run.replica import Replica
 from muloco.sync import CollectiveReducer, Contribution, Mean, PendingMean, SyncEngine
 from muloco.sync.codec import PseudogradientCodec
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 from test_helpers import run_muloco
 
-from muloco.checkpoint import list_checkpoints
+from muloco.checkpoint.plain import list_checkpoints
 from muloco.comm import LocalBackend, reduce_scatter_bytes, ring_allgather_bytes
 from muloco.compress import ErrorFeedback, get_compressor
 from muloco.config import CompressionConfig, load_config
+from muloco.run.trainer import Trainer
 from muloco.sync import CollectiveReducer, Contribution
 from muloco.sync.codec import PseudogradientCodec, pack
 from muloco.sync.scatter import PartitionedCodec
-from muloco.trainer import Trainer
 
 SHAPES = [torch.Size([12, 8]), torch.Size([8]), torch.Size([]), torch.Size([30, 4])]
 STAT = ["compression.scheme=statistical", "compression.granularity=row"]

@@ -14,12 +14,12 @@ from muloco.comm import ring_allreduce_bytes
 from muloco.config import load_config
 from muloco.data import ReplicaStream
 from muloco.errors import UserError
-from muloco.lr_schedule import lr_multiplier
 from muloco.models import build_model
 from muloco.optim import build_inner_optimizer
-from muloco.replica import set_lr_multiplier
+from muloco.run.lr_schedule import lr_multiplier
+from muloco.run.replica import set_lr_multiplier
+from muloco.run.trainer import Trainer
 from muloco.sync.outer import nesterov_outer_step
-from muloco.trainer import Trainer
 
 
 def test_trainer_refuses_more_fragments_than_the_model_has_blocks(tiny):

@@ -6,7 +6,7 @@ import torch
 
 from muloco.comm.hivemind.state_sharing import state_digest
 from muloco.config import HivemindBackendConfig, OuterConfig, SyncConfig
-from muloco.replica import Replica
+from muloco.run.replica import Replica
 from muloco.sync import Mean, SyncEngine
 from muloco.sync.swarm import SwarmReducer, _reference
 

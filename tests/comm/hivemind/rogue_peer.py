@@ -21,7 +21,7 @@ import torch
 
 from muloco import cli
 from muloco.comm.hivemind.progress import ProgressRecords
-from muloco.replica import Replica
+from muloco.run.replica import Replica
 from muloco.sync.swarm import SwarmReducer
 
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from test_helpers import LineReader, run_muloco, start_muloco
 
-from muloco.checkpoint import list_checkpoints, load_checkpoint
+from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
 from muloco.comm.hivemind.auth import write_key
 from muloco.config import load_config
-from muloco.replica import Replica
-from muloco.trainer import Trainer
+from muloco.run.replica import Replica
+from muloco.run.trainer import Trainer
 
 pytest.importorskip("hivemind")
 pytestmark = pytest.mark.slow

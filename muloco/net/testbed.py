@@ -11,7 +11,7 @@ benchmarking), so nothing here can reach, or be confused with, a real network; n
 the machine's own namespace.
 
 Latency is not emulated: the kernel's `netem` qdisc is not available here and tbf only queues. Links have the
-veth's sub-millisecond round trip; `muloco.wan.Link.latency_ms` adds latency to projections analytically.
+veth's sub-millisecond round trip; `muloco.net.wan.Link.latency_ms` adds latency to projections analytically.
 
 A `Testbed` is a context manager: everything it made (namespaces, links, the processes it started) is torn
 down on leaving, whether the body returned, raised or was interrupted (Ctrl+C, SIGTERM). Namespaces left
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from muloco.errors import UserError
-from muloco.launch import end_processes, free_port, sigterm_when_parent_dies, wait_for_maddrs
+from muloco.net.launch import end_processes, free_port, sigterm_when_parent_dies, wait_for_maddrs
 
 PREFIX = "mlc-"  # every namespace a testbed makes: mlc-<pid>-<serial>-<host|hub>
 SUBNET = ipaddress.ip_network("198.18.0.0/24")  # inside 198.18.0.0/15 (RFC 2544 benchmarking)

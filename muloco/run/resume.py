@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from muloco.checkpoint import checkpoint_step, find_resume_state, list_checkpoints, load_checkpoint
+from muloco.checkpoint.plain import checkpoint_step, find_resume_state, list_checkpoints, load_checkpoint
 from muloco.comm import Backend
 from muloco.errors import CheckpointError, UserError, one_line
 

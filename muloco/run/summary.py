@@ -8,8 +8,8 @@ from typing import Any
 
 import muloco
 from muloco.comm import ring_allreduce_bytes
+from muloco.comm.sharding import rank_state_bytes
 from muloco.config import Config
-from muloco.sharding import rank_state_bytes
 
 
 def config_figures(cfg: Config) -> dict[str, Any]:

@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 import torch
 
-from muloco.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
+from muloco.checkpoint.plain import FORMAT_VERSION, load_checkpoint, save_checkpoint
 from muloco.config import load_config
 from muloco.errors import CheckpointError
-from muloco.run_state import CommLedger, Progress, WanProjection
-from muloco.trainer import Trainer
-from muloco.wan import Link
+from muloco.net.wan import Link
+from muloco.run.state import CommLedger, Progress, WanProjection
+from muloco.run.trainer import Trainer
 
 
 def test_every_field_is_saved_and_restored():

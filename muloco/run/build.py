@@ -10,17 +10,17 @@ import shutil
 import torch
 from torch import nn
 
-from muloco.alignment import AlignmentProbe, UnionStream
+from muloco.comm.sharding import shard_model, worker_mesh
 from muloco.comm.topology import Topology
 from muloco.config import Config
 from muloco.data import ReplicaStream
 from muloco.errors import UserError
 from muloco.models import ParamRole, param_roles
-from muloco.offload import ReplicaOffload
 from muloco.optim import build_inner_optimizer
-from muloco.replica import Replica
-from muloco.run_state import CommLedger, Progress, WanProjection
-from muloco.sharding import shard_model, worker_mesh
+from muloco.run.alignment import AlignmentProbe, UnionStream
+from muloco.run.offload import ReplicaOffload
+from muloco.run.replica import Replica
+from muloco.run.state import CommLedger, Progress, WanProjection
 from muloco.sync import Reducer, SyncEngine
 
 

@@ -1,7 +1,7 @@
 """The report's figures, drawn with matplotlib's Agg canvas (no display, no pyplot global state).
 
 Each function takes plain data (lists of numbers and labels) and writes one PNG; the choice of runs and
-series is the report's (muloco/report.py).
+series is the report's (muloco/tools/report.py).
 """
 
 from __future__ import annotations

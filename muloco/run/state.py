@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from muloco.errors import CheckpointError
-from muloco.wan import Link
+from muloco.net.wan import Link
 
 
 class Component:

@@ -7,7 +7,7 @@ from test_helpers import params_of
 
 from muloco.config import load_config
 from muloco.data import ReplicaStream
-from muloco.trainer import Trainer
+from muloco.run.trainer import Trainer
 
 
 class _Interleave:

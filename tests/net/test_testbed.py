@@ -1,4 +1,4 @@
-"""The emulated WAN (muloco.testbed): namespaces, addresses, rate limits, teardown, and a short run over it.
+"""The emulated WAN (muloco.net.testbed): namespaces, addresses, rate limits, teardown, a short run over it.
 
 Needs root and iproute2; skipped with the reason where either is missing. Every namespace is checked gone
 after each test: on success, on an exception in the body, on Ctrl+C/SIGTERM of the process holding the
@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from muloco.errors import UserError
-from muloco.testbed import (
+from muloco.net.testbed import (
     PREFIX,
     Testbed,
     missing_requirements,
@@ -132,7 +132,7 @@ def test_teardown_after_an_exception_in_the_body():
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from muloco.testbed import Testbed
+    from muloco.net.testbed import Testbed
     with Testbed(2, 10) as testbed:
         sleeper = testbed.popen(0, ["sleep", "120"])
         print(sleeper.pid, *testbed.namespaces(), flush=True)

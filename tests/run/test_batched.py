@@ -1,4 +1,4 @@
-"""simulation.batched (muloco/batched.py): the replicas of a process stepped together equal the same
+"""simulation.batched (muloco/run/batched.py): the replicas of a process stepped together equal the same
 replicas stepped one after another, and their checkpoints are interchangeable."""
 
 import shutil
@@ -6,12 +6,12 @@ import shutil
 import pytest
 import torch
 
-from muloco.batched import merge_optimizers, step_together
-from muloco.checkpoint import list_checkpoints
+from muloco.checkpoint.plain import list_checkpoints
 from muloco.config import load_config
 from muloco.errors import ConfigError
 from muloco.optim import Muon
-from muloco.trainer import Trainer
+from muloco.run.batched import merge_optimizers, step_together
+from muloco.run.trainer import Trainer
 
 
 def run(overrides):

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from muloco.errors import UserError
-from muloco.metrics import read_jsonl
+from muloco.run.metrics import read_jsonl
 
 # Config keys that never tell runs apart in a report (names, places, logging, threads).
 IGNORED_PREFIXES = ("run.name", "run.output_dir", "logging.", "checkpoint.", "train.threads")
@@ -369,7 +369,7 @@ def _dp_references(runs: list[RunRecord], groups: list[str]) -> dict[str, tuple[
 
 def make_plots(runs: list[RunRecord], keys: list[str], directory: Path) -> dict[str, str | None]:
     """Write the PNGs; returns each plot's name -> None (written) or why it was skipped."""
-    from muloco import plots
+    from muloco.tools import plots
 
     done: dict[str, str | None] = {}
     groups = sorted({r.group for r in runs})

@@ -6,7 +6,7 @@ import pytest
 from test_helpers import run_muloco
 
 from muloco.cli import main
-from muloco.wan import (
+from muloco.net.wan import (
     Link,
     allgather_seconds,
     allreduce_seconds,

@@ -11,11 +11,11 @@ import torch
 from torch.profiler import record_function
 
 from muloco.comm import Backend, ring_allreduce_bytes
-from muloco.replica import Replica, forward_backward, set_lr_multiplier
-from muloco.run_state import CommLedger, Progress, WanProjection
+from muloco.net.wan import allreduce_seconds
+from muloco.run.replica import Replica, forward_backward, set_lr_multiplier
+from muloco.run.state import CommLedger, Progress, WanProjection
 from muloco.sync.engine import global_norm
 from muloco.sync.guard import BadSyncGuard
-from muloco.wan import allreduce_seconds
 
 
 class DataParallel:

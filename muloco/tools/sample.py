@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from muloco.checkpoint import find_resume_state
+from muloco.checkpoint.plain import find_resume_state
+from muloco.checkpoint.sharded import list_sharded, load_sharded
 from muloco.config import load_config
 from muloco.data.tokenizer import ByteTokenizer, load_run_tokenizer
 from muloco.errors import CheckpointError, UserError, one_line
 from muloco.models import build_model
-from muloco.run_dir import TOKENIZER_RECORD
-from muloco.sharded_checkpoint import list_sharded, load_sharded
+from muloco.run.run_dir import TOKENIZER_RECORD
 
 
 def _tokenizer_info(run_dir: Path, cfg) -> dict:

@@ -6,10 +6,10 @@ import shutil
 import pytest
 import torch
 
-from muloco.checkpoint import list_checkpoints, load_checkpoint
+from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
 from muloco.config import load_config
 from muloco.errors import CheckpointError, UserError
-from muloco.trainer import Trainer
+from muloco.run.trainer import Trainer
 
 SUMMARY_KEYS = {
     "run_name",

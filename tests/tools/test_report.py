@@ -9,10 +9,10 @@ from matplotlib.image import imread
 
 from muloco.cli import main
 from muloco.config import load_config
-from muloco.report import build_report, find_baseline, load_runs, pct_over
-from muloco.trainer import Trainer
+from muloco.run.trainer import Trainer
+from muloco.tools.report import build_report, find_baseline, load_runs, pct_over
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from muloco.checkpoint import save_checkpoint
+from muloco.checkpoint.plain import save_checkpoint
 from muloco.comm import CompletedHandle, LocalBackend
 from muloco.errors import CheckpointError, UserError
-from muloco.resume import check_same_config, find_resume_checkpoint
+from muloco.run.resume import check_same_config, find_resume_checkpoint
 
 
 class TwoRanks:

@@ -1,4 +1,4 @@
-"""Pseudogradient alignment diagnostics (muloco/alignment.py)."""
+"""Pseudogradient alignment diagnostics (muloco/run/alignment.py)."""
 
 import json
 import math
@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from muloco.alignment import alignment_stats, effective_rank, flat_cosine
 from muloco.config import load_config
 from muloco.errors import ConfigError
-from muloco.trainer import Trainer
+from muloco.run.alignment import alignment_stats, effective_rank, flat_cosine
+from muloco.run.trainer import Trainer
 
 
 def test_effective_rank_of_rank_one_and_flat_spectra():

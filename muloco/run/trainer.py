@@ -22,8 +22,18 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from muloco.batched import step_together, use_batched
-from muloco.build import (
+from muloco.checkpoint.plain import list_checkpoints, save_checkpoint
+from muloco.checkpoint.sharded import find_sharded, list_sharded, load_sharded, read_info, save_sharded
+from muloco.comm import Backend, build_backend, means_over_processes
+from muloco.comm.sharding import layout_free_fingerprint, local_params, reshard
+from muloco.comm.topology import build_topology
+from muloco.config import Config
+from muloco.data import ReplicaStream, load_data, val_batches
+from muloco.errors import CheckpointError
+from muloco.models import build_model, describe_model
+from muloco.net.wan import Link
+from muloco.run.batched import step_together, use_batched
+from muloco.run.build import (
     alignment_probe,
     autocast_factory,
     diloco_replicas,
@@ -31,26 +41,21 @@ from muloco.build import (
     resolve_device,
     sync_engine,
 )
-from muloco.checkpoint import list_checkpoints, save_checkpoint
-from muloco.comm import Backend, build_backend, means_over_processes
-from muloco.comm.topology import build_topology
-from muloco.config import Config
-from muloco.data import ReplicaStream, load_data, val_batches
-from muloco.dp import DataParallel
-from muloco.errors import CheckpointError
-from muloco.lr_schedule import lr_multiplier
-from muloco.metrics import MetricsLogger, start_wandb
-from muloco.models import build_model, describe_model
-from muloco.offload import ReplicaOffload, offload_applies
-from muloco.resume import check_same_config, find_resume_checkpoint, load_components
-from muloco.run_dir import prepare_run_dir, write_json_atomic, write_resolved_config, write_tokenizer_record
-from muloco.run_state import CommLedger, Progress, RngState, StateList, WanProjection
-from muloco.sharded_checkpoint import find_sharded, list_sharded, load_sharded, read_info, save_sharded
-from muloco.sharding import layout_free_fingerprint, local_params, reshard
-from muloco.signals import EXIT_INTERRUPTED, StopRequest
-from muloco.summary import build_summary
+from muloco.run.dp import DataParallel
+from muloco.run.lr_schedule import lr_multiplier
+from muloco.run.metrics import MetricsLogger, start_wandb
+from muloco.run.offload import ReplicaOffload, offload_applies
+from muloco.run.resume import check_same_config, find_resume_checkpoint, load_components
+from muloco.run.run_dir import (
+    prepare_run_dir,
+    write_json_atomic,
+    write_resolved_config,
+    write_tokenizer_record,
+)
+from muloco.run.signals import EXIT_INTERRUPTED, StopRequest
+from muloco.run.state import CommLedger, Progress, RngState, StateList, WanProjection
+from muloco.run.summary import build_summary
 from muloco.sync import Reducer, SyncEngine, SyncRecord, build_reducer
-from muloco.wan import Link
 
 log = logging.getLogger("muloco")
 

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor import zeros as dtensor_zeros
 
-from muloco.checkpoint import fsync_directory
+from muloco.checkpoint.plain import fsync_directory
 from muloco.comm import Backend
 from muloco.errors import CheckpointError
 
