@@ -144,6 +144,27 @@ def save_sharded(
     return final
 
 
+def save_worker_shards(
+    state: dict[str, Any],
+    directory: Path,
+    step: int,
+    keep: int,
+    backend: Backend,
+    worker: Backend,
+    prefix: str,
+    is_lead: bool,
+    info: dict[str, Any],
+) -> Path:
+    """save_sharded for a worker of R ranks: the lead writes the state that is the same on its ranks, so
+    the ranks' RNG states go along as a list (`state["rng"]` becomes {"by_rank": [...]}). A collective of
+    every rank of the run."""
+    buffer = io.BytesIO()
+    torch.save(state["rng"], buffer)
+    blobs = worker.all_gather_bytes(buffer.getvalue()).wait()
+    state["rng"] = {"by_rank": [torch.load(io.BytesIO(b), weights_only=True) for b in blobs]}
+    return save_sharded(state, directory, step, keep, backend, prefix, is_lead, info)
+
+
 def read_info(path: Path) -> dict[str, Any]:
     """The checkpoint's INFO (no collective: every rank reads the same file)."""
     try:

@@ -18,6 +18,7 @@ from muloco.errors import UserError
 from muloco.models import ParamRole, param_roles
 from muloco.optim import build_inner_optimizer
 from muloco.run.alignment import AlignmentProbe, UnionStream
+from muloco.run.dp import DataParallel
 from muloco.run.offload import ReplicaOffload
 from muloco.run.replica import Replica
 from muloco.run.state import CommLedger, Progress, WanProjection
@@ -132,6 +133,33 @@ def dp_replica(cfg: Config, template: nn.Module, index: int, stream, device) -> 
     """dp: one model whose micro-batches are the K workers' batches."""
     model = maybe_compile(template.to(device), cfg, device)
     return Replica(index, model, build_inner_optimizer(model, cfg.inner), stream, device)
+
+
+def data_parallel(
+    cfg: Config,
+    replica: Replica,
+    streams: list[ReplicaStream],
+    backend,
+    shape: tuple[int, int],
+    progress: Progress,
+    ledger: CommLedger,
+    wan: WanProjection,
+) -> DataParallel:
+    """method: dp over the run's K workers; shape: (micro-batches, sequences per micro-batch)."""
+    micro_batches, seqs_per_micro = shape
+    return DataParallel(
+        replica,
+        streams,
+        backend,
+        workers=cfg.workers,
+        micro_batches=micro_batches,
+        seqs_per_micro=seqs_per_micro,
+        grad_clip=cfg.train.grad_clip,
+        max_bad_syncs=cfg.train.max_bad_syncs,
+        progress=progress,
+        ledger=ledger,
+        wan=wan,
+    )
 
 
 def alignment_probe(cfg: Config, template: nn.Module, train_data, device) -> AlignmentProbe:

@@ -46,6 +46,27 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
+def timed_record(
+    kind: str,
+    step: int,
+    batch_tokens: int,
+    total_steps: int,
+    elapsed: float,
+    bytes_sent: float,
+    **values: Any,
+) -> dict[str, Any]:
+    """One metrics.jsonl record at inner step `step` (DESIGN.md's contract: kind, step, tokens, time_s;
+    train and sync records also bytes_sent, tokens_per_s, eta_s)."""
+    tokens = step * batch_tokens
+    record = {"kind": kind, "step": step, "tokens": tokens, "time_s": round(elapsed, 3), **values}
+    if kind != "eval":
+        record["bytes_sent"] = bytes_sent
+        record["tokens_per_s"] = round(tokens / elapsed, 1) if elapsed > 0 else None
+        done = step / total_steps
+        record["eta_s"] = round(elapsed * (1 - done) / done, 1) if done > 0 else None
+    return record
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -126,6 +147,19 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def log_run_start(fields: dict[str, Any], optimizer, offload_ignored: bool) -> None:
+    """The start line (key=value), the inner optimizer's routing, and a note when simulation.offload
+    has no effect on this device."""
+    log.info(" ".join(f"{key}=%s" for key in fields), *fields.values())
+    describe = getattr(optimizer, "describe", None)
+    if describe is not None:
+        log.info("inner optimizer routing:\n%s", describe())
+    if offload_ignored:
+        log.info(
+            "simulation.offload has no effect on device=%s (replicas live in host memory)", fields["device"]
+        )
 
 
 def start_wandb(cfg, run_dir: Path) -> Any:

@@ -15,7 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from muloco.checkpoint.plain import checkpoint_step, find_resume_state, list_checkpoints, load_checkpoint
+from muloco.checkpoint.sharded import find_sharded, list_sharded, load_sharded, read_info
 from muloco.comm import Backend
+from muloco.comm.sharding import layout_free_fingerprint
+from muloco.comm.topology import Topology
+from muloco.config import Config
 from muloco.errors import CheckpointError, UserError, one_line
 
 log = logging.getLogger("muloco")
@@ -111,3 +115,67 @@ def load_components(components: dict[str, Any], state: dict[str, Any], path: Pat
             f"checkpoint {path} does not fit this run ({one_line(exc)}); did the model's code or the data "
             "change? Set checkpoint.resume=never or use another run.name"
         ) from None
+
+
+def resume_run(
+    cfg: Config,
+    backend: Backend,
+    topology: Topology,
+    run_dir: Path,
+    checkpoint_dir: Path,
+    local_indices: list[int],
+    replica_model,
+) -> Found:
+    """The checkpoint `checkpoint.resume` names for this run (this process's files under checkpoint_dir),
+    plain or sharded, and this process's state in it; None to start fresh. A collective: every rank calls
+    it once, at start."""
+    check_layout_of_checkpoints(cfg.checkpoint.resume, run_dir / "checkpoints", topology.sharded)
+    if topology.sharded:
+        return _find_sharded(cfg, backend, topology, checkpoint_dir, local_indices, replica_model)
+    args = (cfg.checkpoint.resume, checkpoint_dir, cfg.fingerprint(), local_indices)
+    return find_resume_checkpoint(backend, *args)
+
+
+def check_layout_of_checkpoints(resume: str, checkpoints: Path, sharded: bool) -> None:
+    """checkpoint.resume=auto on a run directory whose checkpoints are of the other sharding: refuse
+    rather than start over beside them (every rank sees the same files)."""
+    if resume != "auto":
+        return
+    if sharded and list_checkpoints(checkpoints):
+        other, found = "replicate", checkpoints
+    elif not sharded and list_sharded(checkpoints / "sharded"):
+        other, found = "fsdp", checkpoints / "sharded"
+    else:
+        return
+    raise CheckpointError(
+        f"{found} holds checkpoints of sharding={other}; resume with sharding={other}, or pick a new "
+        "run.name (or checkpoint.resume=never)"
+    )
+
+
+def _find_sharded(
+    cfg: Config, backend: Backend, topology: Topology, directory: Path, local_indices: list[int], model
+) -> Found:
+    """A sharded checkpoint (any ranks_per_worker) and this replica's state in it, laid out for this
+    run's ranks. Its INFO is checked on every rank and the ranks agree before any collective read."""
+    path, problem = None, ""
+    try:
+        path = find_sharded(cfg.checkpoint.resume, directory, backend)
+        if path is not None and read_info(path)["layout_fingerprint"] != layout_free_fingerprint(cfg):
+            problem = (
+                f"checkpoint {path} was written with a different config; resume with the same config "
+                "(ranks_per_worker may differ), or pick a new run.name (or checkpoint.resume=never)"
+            )
+    except CheckpointError as exc:
+        problem = str(exc)
+    problems = [p.decode() for p in backend.all_gather_bytes(problem.encode()).wait()]
+    if any(problems):
+        raise CheckpointError(next(p for p in problems if p))
+    if path is None:
+        return None
+    mesh = next(p for p in model.parameters()).device_mesh
+    state = load_sharded(path, f"replica{local_indices[0]}", mesh)
+    # Every rank of the worker saved its RNG; a rank beyond the saved ranks (R grew) takes the lead's.
+    by_rank = state["rng"]["by_rank"]
+    state["rng"] = by_rank[min(topology.local_rank, len(by_rank) - 1)]
+    return path, state

@@ -6,13 +6,12 @@
 A process hosts k >= 1 replicas of the run's K (DESIGN.md). The sync itself is the engine's (muloco/sync/);
 which processes or peers it averages with is its reducer's (collectives over the local / torch backend,
 or a hivemind swarm). `method: dp` is the data-parallel baseline (dp.py). The run's counters are
-components (run_state.py) that checkpoint themselves. Reliability (interrupts, non-finite guards,
+components (state.py) that checkpoint themselves. Reliability (interrupts, non-finite guards,
 checkpoints): docs/reliability.md.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 import time
@@ -22,30 +21,32 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from muloco.checkpoint.plain import list_checkpoints, save_checkpoint
-from muloco.checkpoint.sharded import find_sharded, list_sharded, load_sharded, read_info, save_sharded
+from muloco.checkpoint.plain import save_checkpoint
+from muloco.checkpoint.sharded import save_worker_shards
 from muloco.comm import Backend, build_backend, means_over_processes
-from muloco.comm.sharding import layout_free_fingerprint, local_params, reshard
+from muloco.comm.sharding import layout_free_fingerprint
 from muloco.comm.topology import build_topology
 from muloco.config import Config
 from muloco.data import ReplicaStream, load_data, val_batches
-from muloco.errors import CheckpointError
 from muloco.models import build_model, describe_model
 from muloco.net.wan import Link
-from muloco.run.batched import step_together, use_batched
+from muloco.run.batched import use_batched
 from muloco.run.build import (
     alignment_probe,
     autocast_factory,
+    data_parallel,
     diloco_replicas,
     dp_replica,
     resolve_device,
     sync_engine,
 )
 from muloco.run.dp import DataParallel
+from muloco.run.evaluate import evaluate_global
+from muloco.run.inner_steps import InnerSteps
 from muloco.run.lr_schedule import lr_multiplier
-from muloco.run.metrics import MetricsLogger, start_wandb
+from muloco.run.metrics import MetricsLogger, log_run_start, start_wandb, timed_record
 from muloco.run.offload import ReplicaOffload, offload_applies
-from muloco.run.resume import check_same_config, find_resume_checkpoint, load_components
+from muloco.run.resume import check_same_config, load_components, resume_run
 from muloco.run.run_dir import (
     prepare_run_dir,
     write_json_atomic,
@@ -126,38 +127,28 @@ class Trainer:
         self.wan = WanProjection(link=link, progress=self.progress)
         self.engine: SyncEngine | None = None
         self.dp: DataParallel | None = None
+        counters = {"progress": self.progress, "ledger": self.ledger, "wan": self.wan}
         if cfg.method == "dp":
             self.replicas = [dp_replica(cfg, template, self.local_indices[0], streams[0], self.device)]
-            self.dp = DataParallel(
-                self.replicas[0],
-                streams,
-                self.backend,
-                workers=K,
-                micro_batches=self.micro_batches,
-                seqs_per_micro=self.seqs_per_micro,
-                grad_clip=cfg.train.grad_clip,
-                max_bad_syncs=cfg.train.max_bad_syncs,
-                progress=self.progress,
-                ledger=self.ledger,
-                wan=self.wan,
-            )
+            shape = (self.micro_batches, self.seqs_per_micro)
+            self.dp = data_parallel(cfg, self.replicas[0], streams, self.backend, shape, **counters)
         else:
             self.replicas = diloco_replicas(
                 cfg, template, self.local_indices, streams, self.device, self.topology, self.offload
             )
-            state = {"progress": self.progress, "ledger": self.ledger, "wan": self.wan}
             # Sharded: the engine holds this rank's rows of the wrapped model's parameters.
             initial = self.replicas[0].model if self.topology.sharded else template
             shards = self.topology.worker if self.topology.sharded else None
             self.engine = sync_engine(
-                cfg, initial, self.reducer, self.replicas, self.device, shard_group=shards, **state
+                cfg, initial, self.reducer, self.replicas, self.device, shard_group=shards, **counters
             )
-        self.probe = (
-            alignment_probe(cfg, template, self.data.train, self.device)
-            if cfg.diagnostics.alignment
-            else None
-        )
+        probing = cfg.diagnostics.alignment
+        self.probe = alignment_probe(cfg, template, self.data.train, self.device) if probing else None
         self.autocast = autocast_factory(cfg.train.precision, self.device)
+        self.stop = StopRequest(self.backend)
+        shape = (self.micro_batches, self.seqs_per_micro, cfg.train.grad_clip)
+        inner_args = (self.progress, self.stop, self._lr_multiplier, shape, self.autocast, self.offload)
+        self.inner = InnerSteps(self.replicas, *inner_args, batched=self.batched)
         self.components = {
             "progress": self.progress,
             "ledger": self.ledger,
@@ -167,7 +158,6 @@ class Trainer:
             **({"engine": self.engine} if self.engine is not None else {"dp": self.dp}),
             **({"membership": self.reducer.membership} if hasattr(self.reducer, "membership") else {}),
         }
-        self.stop = StopRequest(self.backend)
         self.resumed_from: Path | None = None
         self._resume()
         if self.engine is not None:
@@ -182,62 +172,15 @@ class Trainer:
     # -- set-up helpers -------------------------------------------------------------------------------
     def _resume(self) -> None:
         """Every component from the checkpoint that `checkpoint.resume` names (resume.py), if any."""
-        cfg = self.cfg
-        self._check_layout_of_checkpoints()
-        if self.topology.sharded:
-            found = self._find_sharded()
-        else:
-            args = (cfg.checkpoint.resume, self.checkpoint_dir, cfg.fingerprint(), self.local_indices)
-            found = find_resume_checkpoint(self.backend, *args)
+        model = self.replicas[0].model
+        where = (self.run_dir, self.checkpoint_dir, self.local_indices, model)
+        found = resume_run(self.cfg, self.backend, self.topology, *where)
         if found is None:
             return
         path, state = found
         load_components(self.components, state, path)
         self.resumed_from, progress = path, self.progress
         log.info("resumed checkpoint=%s step=%d outer_steps=%d", path, progress.steps, progress.outer_steps)
-
-    def _find_sharded(self) -> tuple[Path, dict[str, Any]] | None:
-        """A sharded checkpoint (any ranks_per_worker) and this replica's state in it, laid out for this
-        run's ranks. Its INFO is checked on every rank and the ranks agree before any collective read."""
-        cfg = self.cfg
-        path, problem = None, ""
-        try:
-            path = find_sharded(cfg.checkpoint.resume, self.checkpoint_dir, self.backend)
-            if path is not None and read_info(path)["layout_fingerprint"] != layout_free_fingerprint(cfg):
-                problem = (
-                    f"checkpoint {path} was written with a different config; resume with the same config "
-                    "(ranks_per_worker may differ), or pick a new run.name (or checkpoint.resume=never)"
-                )
-        except CheckpointError as exc:
-            problem = str(exc)
-        problems = [p.decode() for p in self.backend.all_gather_bytes(problem.encode()).wait()]
-        if any(problems):
-            raise CheckpointError(next(p for p in problems if p))
-        if path is None:
-            return None
-        mesh = next(p for p in self.replicas[0].model.parameters()).device_mesh
-        state = load_sharded(path, f"replica{self.local_indices[0]}", mesh)
-        # Every rank of the worker saved its RNG; a rank beyond the saved ranks (R grew) takes the lead's.
-        by_rank = state["rng"]["by_rank"]
-        state["rng"] = by_rank[min(self.topology.local_rank, len(by_rank) - 1)]
-        return path, state
-
-    def _check_layout_of_checkpoints(self) -> None:
-        """checkpoint.resume=auto on a run directory whose checkpoints are of the other sharding: refuse
-        rather than start over beside them (every rank sees the same files)."""
-        if self.cfg.checkpoint.resume != "auto":
-            return
-        checkpoints = self.run_dir / "checkpoints"
-        if self.topology.sharded and list_checkpoints(checkpoints):
-            other, found = "replicate", checkpoints
-        elif not self.topology.sharded and list_sharded(checkpoints / "sharded"):
-            other, found = "fsdp", checkpoints / "sharded"
-        else:
-            return
-        raise CheckpointError(
-            f"{found} holds checkpoints of sharding={other}; resume with sharding={other}, or pick a new "
-            "run.name (or checkpoint.resume=never)"
-        )
 
     # -- the loop -------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -313,7 +256,7 @@ class Trainer:
         #    stops a single-process run after the current inner step: the replicas' own step counters
         #    (checkpointed) let the resumed run finish the segment where each one left off.
         with record_function("muloco::inner_steps"):
-            self._inner_steps(end)
+            self.inner.run_until(end)
         if any(replica.inner_steps < end for replica in self.replicas):
             return  # interrupted: the loop writes a checkpoint
         if self.probe is not None:  # diagnostics: the same steps on the union of the workers' batches
@@ -341,71 +284,9 @@ class Trainer:
             progress.round_losses = []
             if sync.apply_step <= progress.steps:
                 self._log_sync(engine.finish(sync, self.replicas))
-            if (sync.fragment, sync.started_step) != (fragment, step):
-                # torchft: this worker adopted its quorum's state and step, so its plan is void. At the
-                # run's last step the others go on to sync the later fragments: it joins them with nothing
-                # of its own (its replicas hold the adopted state).
-                last = progress.steps >= self.total_steps
-                starting = list(range(sync.fragment + 1, len(engine.fragments))) if last else []
-                contributing = []
-
-    def _inner_steps(self, end: int) -> None:
-        if self.batched:
-            self._inner_steps_together(end)
-            return
-        segment_times = []
-        for i, replica in enumerate(self.replicas):
-            replica.activate()
-            if i + 1 < len(self.replicas):  # offload: the next replica arrives while this one trains
-                self.replicas[i + 1].prefetch()
-            t0 = time.perf_counter()
-            while replica.inner_steps < end and not self.stop.now():
-                t = self.cfg.train
-                lr = self._lr_multiplier(replica.inner_steps)
-                loss = replica.train_step(
-                    self.micro_batches, self.seqs_per_micro, lr, t.grad_clip, self.autocast
-                )
-                self._count_step(replica, loss)
-            segment_times.append(time.perf_counter() - t0)
-            replica.compute_time_s += segment_times[-1]
-            replica.deactivate()
-        if self.offload is not None:
-            self.offload.settle()
-        self.progress.worker_compute_s += sum(segment_times) / len(segment_times)
-
-    def _inner_steps_together(self, end: int) -> None:
-        """simulation.batched: every replica computes its gradients for step s, then one optimizer step
-        updates them all (batched.py). Replicas left apart by an interrupted segment step separately until
-        they meet again."""
-        t, t0 = self.cfg.train, time.perf_counter()
-        while not self.stop.now():
-            behind = [replica for replica in self.replicas if replica.inner_steps < end]
-            if not behind:
-                break
-            step = min(replica.inner_steps for replica in behind)
-            together = [replica for replica in behind if replica.inner_steps == step]
-            lr = self._lr_multiplier(step)
-            losses = [
-                replica.compute_gradients(
-                    self.micro_batches, self.seqs_per_micro, lr, t.grad_clip, self.autocast
-                )
-                for replica in together
-            ]
-            step_together([replica.optimizer for replica in together])
-            for replica, loss in zip(together, losses, strict=True):
-                self._count_step(replica, loss)
-        share = (time.perf_counter() - t0) / len(self.replicas)  # a replica's share of the wall time
-        for replica in self.replicas:
-            replica.compute_time_s += share
-        self.progress.worker_compute_s += share
-
-    def _count_step(self, replica, loss: float) -> None:
-        replica.inner_steps += 1
-        if math.isfinite(loss):
-            self.progress.round_losses.append(loss)
-        elif replica.healthy:
-            replica.healthy = False
-            log.warning("replica=%d step=%d: non-finite loss %s", replica.index, replica.inner_steps, loss)
+            replanned = engine.replan_if_moved(sync, fragment, step, last=step >= self.total_steps)
+            if replanned is not None:  # torchft: adopted its quorum's state and step; nothing of its own
+                starting, contributing = replanned, []
 
     def _log_sync(self, record: SyncRecord) -> None:
         sums = record.sums
@@ -428,30 +309,12 @@ class Trainer:
         t = self.cfg.train
         return lr_multiplier(step, self.total_steps, t.warmup_steps, t.lr_schedule, t.min_lr_ratio)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """Val loss of the global parameters: replica 0 holds them right after a plain DiLoCo merge (or is
-        the dp model); with streaming its parameters are swapped for the global ones meanwhile."""
-        replica = self.replicas[0]
-        model = replica.model
-        replica.activate()
-        own = None
-        if self.engine is not None and self.cfg.sync.streaming:
-            own = [p.detach().clone() for p in local_params(model)]
-            replica.load_global(self.engine.global_params)
-        model.eval()
-        losses = []
-        with record_function("muloco::eval"):
-            for x, y in self.val_set:
-                with self.autocast():
-                    losses.append(model(x.to(self.device), y.to(self.device)).item())
-        reshard(model)
-        model.train()
-        if own is not None:
-            for p, saved in zip(local_params(model), own, strict=True):
-                p.copy_(saved)
-        replica.deactivate()
-        val_loss = sum(losses) / len(losses)
+        """Val loss of the global parameters (evaluate.py)."""
+        global_params = self.engine.global_params if self.engine is not None else None
+        streaming = self.engine is not None and self.cfg.sync.streaming
+        args = (self.val_set, self.device, self.autocast)
+        val_loss = evaluate_global(self.replicas[0], global_params if streaming else None, *args)
         self.progress.val_losses.append([self.progress.steps, val_loss])
         self._log("eval", val_loss=val_loss)
         return val_loss
@@ -462,14 +325,8 @@ class Trainer:
     def _log(self, kind: str, step: int | None = None, **values: Any) -> None:
         """One metrics.jsonl record at `step` (default: now)."""
         steps = self.progress.steps if step is None else step
-        tokens, elapsed = steps * self.cfg.train.batch_tokens, self._elapsed()
-        record = {"kind": kind, "step": steps, "tokens": tokens, "time_s": round(elapsed, 3), **values}
-        if kind != "eval":
-            record["bytes_sent"] = self.ledger.bytes_sent
-            record["tokens_per_s"] = round(tokens / elapsed, 1) if elapsed > 0 else None
-            done = steps / self.total_steps
-            record["eta_s"] = round(elapsed * (1 - done) / done, 1) if done > 0 else None
-        self.metrics.log(record)
+        timing = (self.cfg.train.batch_tokens, self.total_steps, self._elapsed(), self.ledger.bytes_sent)
+        self.metrics.log(timed_record(kind, steps, *timing, **values))
 
     def _log_start(self) -> None:
         cfg = self.cfg
@@ -489,14 +346,7 @@ class Trainer:
             "micro_batches": self.micro_batches,
             "batched": self.batched,
         }
-        log.info(" ".join(f"{key}=%s" for key in fields), *fields.values())
-        describe = getattr(self.replicas[0].optimizer, "describe", None)
-        if describe is not None:
-            log.info("inner optimizer routing:\n%s", describe())
-        if cfg.simulation.offload and self.offload is None:
-            log.info(
-                "simulation.offload has no effect on device=%s (replicas live in host memory)", self.device
-            )
+        log_run_start(fields, self.replicas[0].optimizer, cfg.simulation.offload and self.offload is None)
 
     def save_checkpoint(self) -> Path:
         """Every component's state under its name, written atomically (checkpoint.py)."""
@@ -513,16 +363,11 @@ class Trainer:
         return path
 
     def _save_sharded(self, state: dict[str, Any], step: int, keep: int) -> Path:
-        """A collective of every rank (sharded_checkpoint.py); the worker's lead writes the state that is
-        the same on its ranks, so the ranks' RNG states go along as a list."""
-        worker = self.topology.worker
-        buffer = io.BytesIO()
-        torch.save(state["rng"], buffer)
-        blobs = worker.all_gather_bytes(buffer.getvalue()).wait()
-        state["rng"] = {"by_rank": [torch.load(io.BytesIO(b), weights_only=True) for b in blobs]}
+        """A collective of every rank (checkpoint/sharded.py)."""
         info = {"layout_fingerprint": layout_free_fingerprint(self.cfg), "workers": self.cfg.workers}
-        prefix, lead = f"replica{self.local_indices[0]}", self.topology.is_lead
-        return save_sharded(state, self.checkpoint_dir, step, keep, self.backend, prefix, lead, info)
+        prefix, topology = f"replica{self.local_indices[0]}", self.topology
+        args = (self.backend, topology.worker, prefix, topology.is_lead, info)
+        return save_worker_shards(state, self.checkpoint_dir, step, keep, *args)
 
     def write_summary(self, status: str) -> dict[str, Any]:
         """summary.json (summary.py): the config's key figures and every component's summary."""

@@ -200,6 +200,15 @@ class SyncEngine:
             return finishing, [p for p, unsynced in enumerate(self.unsynced) if unsynced]
         return finishing, self.schedule.starting_at(step)
 
+    def replan_if_moved(self, sync: InFlightSync, fragment: int, step: int, last: bool) -> list[int] | None:
+        """None when `sync` is the one planned (fragment at step). Otherwise the reducer moved it (torchft:
+        this worker adopted its quorum's state and step), so the plan for this step is void: the fragments
+        still to start, which it joins with no replicas of its own (they hold the adopted state). At the
+        run's last step the others go on to sync the later fragments; before it, none."""
+        if (sync.fragment, sync.started_step) == (fragment, step):
+            return None
+        return list(range(sync.fragment + 1, len(self.fragments))) if last else []
+
     def delay(self, step: int) -> int:
         """tau, the inner steps a sync started at `step` travels; 0 at the last step."""
         return 0 if self._is_last(step) else self.schedule.overlap

@@ -84,7 +84,7 @@ def test_replicas_left_apart_catch_up_then_step_together(tiny):
         for _ in range(2):  # replica 0 finished two steps of the segment before the interrupt
             ahead.train_step(trainer.micro_batches, trainer.seqs_per_micro, 1.0, 0.0, trainer.autocast)
             ahead.inner_steps += 1
-        trainer._inner_steps(4)
+        trainer.inner.run_until(4)
         assert [r.inner_steps for r in trainer.replicas] == [4, 4, 4]
         trainers[batched] = trainer
     assert_same(state_tensors(trainers["false"]), state_tensors(trainers["true"]), rtol=1e-6)
