@@ -61,6 +61,23 @@ def assert_same_global_params(*run_dirs: Path) -> None:
             assert torch.equal(a, b), run_dir
 
 
+# Two code paths that sum in another order (FSDP's reduce-scatter, a worker's ranks each summing their
+# micro-batches, R = 1 against R = 2) differ by rounding. A sum's rounding error scales with the size of its
+# terms, i.e. with the tensor's scale, not with each element: a near-zero element can be off by several
+# times its own value (2.5e-6 on a 1e-7 element was seen on an AVX2 CPU). So the bound is relative to the
+# tensor's largest element: fp32's eps (1.2e-7) times the steps and terms summed stays far below 1e-4,
+# while a real mistake (a missing term, a wrong scale) moves elements by 1e-2 of the scale or more.
+ROUNDING_REL = 1e-4
+
+
+def assert_equal_up_to_rounding(actual: torch.Tensor, expected: torch.Tensor, rel: float = ROUNDING_REL):
+    """max |actual - expected| <= rel x max |expected| (see ROUNDING_REL)."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    error = (actual.double() - expected.double()).abs().max().item()
+    scale = expected.double().abs().max().item()
+    assert error <= rel * scale, f"max error {error:.3g} > {rel} x max |expected| {scale:.3g}"
+
+
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
     # One thread per process: tests start several on 2 cores, and results stay deterministic.
     return {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}

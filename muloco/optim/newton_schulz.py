@@ -24,6 +24,7 @@ Cost and precision, measured on the CPU where this was written (docs/optimizers.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -128,6 +129,11 @@ def _cpu_has_native_bf16() -> bool:
     # without them bf16 is emulated and slower. A flag check, not a timing, keeps the choice (and so the
     # numerics) the same from run to run.
     if not sys.platform.startswith("linux"):
+        return False
+    # ONEDNN_MAX_CPU_ISA caps oneDNN's kernels (e.g. AVX2 to reproduce another CPU): below
+    # AVX512_CORE_BF16 its bf16 GEMM is emulated, as on a CPU without the flags.
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if cap and cap not in ("ALL", "DEFAULT") and "BF16" not in cap and "AMX" not in cap:
         return False
     try:
         with open("/proc/cpuinfo") as f:

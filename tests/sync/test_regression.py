@@ -1,21 +1,33 @@
-"""Regression fixture: the global parameters after a few outer steps of tiny runs, recorded once per kind
-of CPU (tests/sync/regression.json) and compared bit for bit, so that moving code never moves numbers.
+"""Regression fixture: the global parameters after a few outer steps of tiny runs, recorded per kind of
+CPU (tests/sync/regression.json), so that moving code never moves numbers.
 
 Bits depend on the machine as well as the code: oneDNN/MKL take other kernels on another vendor or ISA
 (an AMD EPYC with AVX512-BF16 gives other last bits than the machine the first records came from, even
-for fp32 AdamW). So the fixture holds one table per machine signature (torch version, CPU vendor, ISA,
-native bf16), and a run must equal this machine's table, or, on a machine without one, one of the
-tables recorded so far.
+for fp32 AdamW), and Muon's Newton-Schulz runs in bf16 only where the CPU has native bf16. So:
+
+- on a machine whose signature (torch, vendor, ISA, native bf16) has a table: bit for bit;
+- elsewhere: Newton-Schulz in fp32, and per-tensor norms and sums within a tolerance (TOLERANCE_FP32,
+  TOLERANCE_QUANTIZED) of a no-bf16 table, which allows another CPU's last bits but not a change of the
+  maths (the negative tests below make one-line changes to the outer step, the codec and the schedule,
+  and each must fail it).
+
+Tables marked "emulated" were recorded here with another CPU's kernels forced (EMULATE_AVX2); they are
+references for the tolerance only, never a machine's own table.
 
 Re-record only on purpose (a deliberate change of the maths, or a new kind of machine with the code
 unchanged: record on the last commit whose tables pass elsewhere), and say why in the commit:
-    python tests/sync/test_regression.py --record
+    python tests/sync/test_regression.py --record                 # this machine's table
+    env ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        python tests/sync/test_regression.py --record             # the emulated AVX2, no-bf16 table
+    python tests/sync/test_regression.py --spread                 # deviations from the same-class tables
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -75,6 +87,8 @@ def fingerprint(params: list[torch.Tensor]) -> dict:
         "middle": middle[:4].tolist(),
         "last": last[-4:].tolist(),
         "numel": sum(p.numel() for p in params),
+        # Per tensor [L2 norm, sum, numel] in float64: what another CPU's tables are compared on.
+        "tensors": [[p.double().norm().item(), p.double().sum().item(), p.numel()] for p in params],
     }
 
 
@@ -86,7 +100,8 @@ def checkpoint_global_params(state: dict) -> list[torch.Tensor]:
 
 
 def run_in_process(name: str, overrides: list[str], out: Path) -> dict:
-    cfg = load_config(None, [*TINY, *overrides, f"run.output_dir={out}", f"run.name={name}"])
+    extra = [*numerics_overrides(), f"run.output_dir={out}", f"run.name={name}"]
+    cfg = load_config(None, [*TINY, *overrides, *extra])
     Trainer(cfg).run()
     state = load_checkpoint(list_checkpoints(out / name / "checkpoints")[-1])
     if cfg.method == "dp":
@@ -97,11 +112,41 @@ def run_in_process(name: str, overrides: list[str], out: Path) -> dict:
 def run_two_processes(out: Path) -> dict:
     config = out / "defaults.yaml"
     config.write_text("{}\n")  # the schema's defaults, as load_config(None, ...) in-process
-    overrides = [*TINY, *GLOO_OVERRIDES, f"run.output_dir={out}", f"run.name={GLOO_CASE}"]
+    overrides = [
+        *TINY,
+        *GLOO_OVERRIDES,
+        *numerics_overrides(),
+        f"run.output_dir={out}",
+        f"run.name={GLOO_CASE}",
+    ]
     result = run_muloco("launch", "--nproc", 2, config, *overrides, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     state = load_checkpoint(list_checkpoints(out / GLOO_CASE / "checkpoints")[-1])
     return fingerprint(checkpoint_global_params(state))
+
+
+# What the emulation of another CPU sets (on an AVX-512 machine: AVX2 kernels, no native bf16).
+EMULATE_AVX2 = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+
+# Another CPU's tables are compared with Newton-Schulz in fp32 (as on a CPU without native bf16: the
+# references are that class's tables): bf16's rounding flips on last-bit differences and moves Muon's
+# parameters by up to 3.4e-3 of their norm between two kernel sets of one CPU, as much as a real change.
+# Measured with `--spread` on this AMD EPYC, Newton-Schulz in fp32 (docs/benchmarks.md "Regression
+# fixture"): fp32 cases at most 4.7e-7 of a tensor's norm apart between kernel sets (ATen AVX2 / AVX-512 /
+# none, oneDNN AVX2 / AVX-512); cases with 4-bit codes at most 2.7e-4 (a code at a bin's edge flips). The
+# bounds leave ~20x and ~4x; the one-line changes in the negative tests move them by 5x the bound or
+# more (5x for a 5% change of the codec's range; a 1% change moves muloco_4bit_ef by 2.3e-3, not enough).
+TOLERANCE_FP32 = 1e-5
+TOLERANCE_QUANTIZED = 1e-3
+
+
+def tolerance(name: str) -> float:
+    overrides = CASES.get(name, GLOO_OVERRIDES)
+    return TOLERANCE_QUANTIZED if "compression.scheme=statistical" in overrides else TOLERANCE_FP32
 
 
 def machine() -> str:
@@ -117,18 +162,79 @@ def machine() -> str:
     return f"torch {torch.__version__}, {vendor}, {torch.backends.cpu.get_cpu_capability()}, {bf16}"
 
 
+def signature() -> str:
+    """machine(), marked as emulated when EMULATE_AVX2's variables are set (a reference table, not a
+    machine's own)."""
+    forced = {k: v for k, v in EMULATE_AVX2.items() if os.environ.get(k) == v}
+    if not forced:
+        return machine()
+    return machine() + " (emulated: " + " ".join(f"{k}={v}" for k, v in forced.items()) + ")"
+
+
 def recorded() -> dict[str, dict]:
     """{machine signature: {case: fingerprint}}."""
     return json.loads(FIXTURE.read_text())["machines"]
 
 
+def native_bf16(sig: str) -> bool:
+    return "native bf16" in sig
+
+
+def deviation(got: dict, reference: dict) -> float:
+    """The largest per-tensor difference, relative to the reference tensor's norm: of the norms, and of
+    the sums (scaled by sqrt(numel), a sum's typical size for a tensor of that norm)."""
+    worst = 0.0
+    for (norm, total, numel), (ref_norm, ref_total, ref_numel) in zip(
+        got["tensors"], reference["tensors"], strict=True
+    ):
+        assert numel == ref_numel, (numel, ref_numel)
+        scale = max(ref_norm, 1e-12)
+        worst = max(worst, abs(norm - ref_norm) / scale, abs(total - ref_total) / (scale * math.sqrt(numel)))
+    return worst
+
+
+def own_table() -> dict | None:
+    return recorded().get(signature())
+
+
+def numerics_overrides() -> list[str]:
+    """On a machine without its own table the cases run with Newton-Schulz in fp32 (what auto gives on a
+    CPU without native bf16), so they compare with the no-bf16 references."""
+    return [] if own_table() is not None else ["inner.ns_dtype=fp32"]
+
+
+def references(name: str) -> list[dict]:
+    """The no-bf16 tables that carry per-tensor statistics for `name`."""
+    return [
+        table[name]
+        for other, table in recorded().items()
+        if not native_bf16(other) and "tensors" in table.get(name, {})
+    ]
+
+
 def assert_unchanged(name: str, got: dict) -> None:
-    tables = recorded()
-    mine = tables.get(machine())
-    candidates = [mine] if mine is not None else list(tables.values())
-    assert any(got == table[name] for table in candidates), (
-        f"{name}: the global parameters moved on {machine()!r} (see this file's docstring)"
+    tables, sig = recorded(), signature()
+    if sig in tables:  # this machine's own kernels: bit for bit
+        assert got["sha256"] == tables[sig][name]["sha256"], (
+            f"{name}: the global parameters moved on {sig!r} (see this file's docstring)"
+        )
+        return
+    if any(got["sha256"] == table[name]["sha256"] for table in tables.values()):
+        return  # bit for bit with another machine's table: its kernels too
+    assert within_tolerance(name, got), (
+        f"{name}: the global parameters moved by {closest_deviation(name, got):.2e} of their norm on "
+        f"{sig!r}, more than another CPU's kernels do ({tolerance(name):.0e}; see this file's docstring)"
     )
+
+
+def closest_deviation(name: str, got: dict) -> float:
+    refs = references(name)
+    assert refs, f"{name}: no no-bf16 table with per-tensor statistics to compare with"
+    return min(deviation(got, ref) for ref in refs)
+
+
+def within_tolerance(name: str, got: dict) -> bool:
+    return closest_deviation(name, got) <= tolerance(name)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -141,14 +247,80 @@ def test_global_parameters_over_gloo_are_unchanged(tmp_path):
     assert_unchanged(GLOO_CASE, run_two_processes(tmp_path))
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
+def _outer_step_without_nesterov(original):
+    # nesterov_outer_step(params, pseudogradients, momentum_buffers, lr, momentum, nesterov=True)
+    return lambda *args, **kwargs: original(*args[:5], nesterov=False)
+
+
+# One-line changes to the maths: each must move its case beyond the tolerance (the tolerance would let a
+# real change through otherwise). Each: (case, object, attribute, replacement built from the original).
+ONE_LINE_CHANGES = {
+    "outer step without Nesterov": (
+        "diloco_adamw_fp32",
+        "muloco.sync.outer",
+        "nesterov_outer_step",
+        _outer_step_without_nesterov,
+    ),
+    "statistical codec's range x 1.05": (
+        "muloco_4bit_ef",
+        "muloco.compress.statistical.StatisticalQuantizer",
+        "_stat_range",
+        lambda original: lambda self: 1.05 * original(self),
+    ),
+    "streaming fragments one step later": (
+        "streaming_p3_tau2_alpha05",
+        "muloco.sync.fragments.SyncSchedule",
+        "offset",
+        lambda original: lambda self, fragment: (original(self, fragment) + 1) % self.every,
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(ONE_LINE_CHANGES))
+def test_the_tolerance_catches_a_one_line_change(tmp_path, monkeypatch, change):
+    """Run as another CPU would be (Newton-Schulz in fp32, compared with the no-bf16 tables): unchanged,
+    within the tolerance; with the change, beyond it."""
+    import importlib
+
+    name, module_path, attribute, replace = ONE_LINE_CHANGES[change]
+    module_name, _, owner_name = module_path.rpartition(".")
+    try:
+        owner = getattr(importlib.import_module(module_name), owner_name)
+    except (ImportError, AttributeError):
+        owner = importlib.import_module(module_path)
+    fp32 = ["inner.ns_dtype=fp32"]
+    unchanged = run_in_process(name, [*CASES[name], *fp32], tmp_path / "unchanged")
+    assert within_tolerance(name, unchanged), closest_deviation(name, unchanged)
+    monkeypatch.setattr(owner, attribute, replace(getattr(owner, attribute)))
+    changed = run_in_process(name, [*CASES[name], *fp32], tmp_path / "changed")
+    assert not within_tolerance(name, changed), (change, closest_deviation(name, changed))
+
+
+def run_all(out: Path) -> dict[str, dict]:
+    torch.set_num_threads(1)
+    table = {name: run_in_process(name, overrides, out) for name, overrides in CASES.items()}
+    table[GLOO_CASE] = run_two_processes(out)
+    return table
+
+
+if __name__ == "__main__" and sys.argv[1:] in (["--record"], ["--spread"]):
     import tempfile
 
-    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        table = {name: run_in_process(name, overrides, Path(tmp)) for name, overrides in CASES.items()}
-        table[GLOO_CASE] = run_two_processes(Path(tmp))
+        table = run_all(Path(tmp))
+    if sys.argv[1] == "--spread":  # what a tolerance must allow: this run against the tables it is held to
+        fp32_ns = bool(numerics_overrides()) or not native_bf16(machine())
+        for other, recorded_table in recorded().items():
+            if native_bf16(other) != fp32_ns and other != signature():
+                spread = {
+                    n: deviation(table[n], recorded_table[n]) for n in table if "tensors" in recorded_table[n]
+                }
+                cases = " ".join(f"{n}={d:.1e}" for n, d in spread.items())
+                print(f"{other!r}: {cases}")
+        sys.exit(0)
     tables = recorded() if FIXTURE.is_file() else {}
-    tables[machine()] = table
+    previous = tables.get(signature(), {})
+    moved = [n for n in table if n in previous and previous[n]["sha256"] != table[n]["sha256"]]
+    tables[signature()] = table
     FIXTURE.write_text(json.dumps({"machines": tables}, indent=1) + "\n")
-    print(f"recorded {len(table)} cases for {machine()!r} in {FIXTURE}")
+    print(f"recorded {len(table)} cases for {signature()!r} in {FIXTURE}; hashes changed: {moved or 'none'}")
