@@ -54,6 +54,10 @@ class PayloadServer:
         # Downloads of this peer's payloads that its last groups still owe: token -> [left, deadline].
         # close() serves them before it stops, so a run's last sync is not cut off for slower members.
         self.owed: dict[bytes, list[float]] = {}
+        # Downloads served per token still offered. A member whose group formed first can download before
+        # this peer's own matchmaking returns and calls owe(): those count against what is owed (without
+        # this, close() waited a whole averaging_timeout for downloads that had already happened).
+        self.delivered: dict[bytes, int] = {}
 
     def offer(self, fragment: int, token: bytes, messages: list[runtime_pb2.Tensor]) -> None:
         """Serve `messages` under `token` until SERVED_SYNCS newer syncs of this fragment replace them."""
@@ -61,14 +65,15 @@ class PayloadServer:
             served = self.served[fragment]
             served[token] = messages
             while len(served) > SERVED_SYNCS:
-                served.popitem(last=False)
+                dropped, _ = served.popitem(last=False)
+                self.delivered.pop(dropped, None)
 
     def owe(self, token: bytes, downloads: int, within_s: float) -> None:
         """A group formed: `downloads` members will fetch `token`'s payloads within `within_s` seconds."""
         with self.lock:
             now = time.monotonic()
             self.owed = {k: v for k, v in self.owed.items() if v[0] > 0 and v[1] > now}
-            self.owed[token] = [downloads, now + within_s]
+            self.owed[token] = [downloads - self.delivered.get(token, 0), now + within_s]
 
     async def serve(
         self, fragment: int, request: averaging_pb2.DownloadData, context: P2PContext
@@ -87,6 +92,8 @@ class PayloadServer:
             for part in split_for_streaming(message, CHUNK_BYTES):
                 yield averaging_pb2.DownloadData(tensor_part=part)
         with self.lock:
+            if token in self.served[fragment]:
+                self.delivered[token] = self.delivered.get(token, 0) + 1
             owed = self.owed.get(token)
             if owed is not None:
                 owed[0] -= 1

@@ -74,3 +74,29 @@ def test_a_download_that_does_not_match_its_token_is_asked_for_again(monkeypatch
     assert transfer.checked_download(got[broken], tokens[broken], [], []) == (
         "payloads do not match the token the peer announced"
     )
+
+
+def test_a_download_served_before_this_peer_owes_it_counts():
+    """A member whose group formed first downloads this peer's payloads before this peer's own matchmaking
+    returns and calls owe(): that download counts, so close() does not wait a whole averaging_timeout for it
+    (it did: 'served the last sync's payloads for 15.1 s before leaving', in every 2-peer loopback run)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.proto import averaging_pb2, runtime_pb2
+
+    server = PayloadServer(1, SwarmAuth("run"))
+    token = b"t" * 16
+    server.offer(0, token, [runtime_pb2.Tensor(buffer=b"\0" * 8, size=[2], dtype="float32")])
+    request = averaging_pb2.DownloadData(metadata=token)  # no swarm key: no tag
+
+    async def download() -> int:
+        context = SimpleNamespace(remote_id="member")
+        return len([part async for part in server.serve(0, request, context)])
+
+    assert asyncio.run(download()) == 1  # served before owe()
+    server.owe(token, downloads=1, within_s=30.0)
+    t0 = time.monotonic()
+    server.serve_what_is_owed()
+    assert time.monotonic() - t0 < 2.0  # the delivery grace only, not the 30 s
+    assert server.owed[token][0] == 0
