@@ -26,12 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor import zeros as dtensor_zeros
 
 from muloco.checkpoint.plain import fsync_directory
 from muloco.comm import Backend
+from muloco.comm.sharding import is_dtensor
 from muloco.errors import CheckpointError
 
 log = logging.getLogger("muloco")
@@ -58,7 +56,7 @@ def _flatten(value: Any, key: str, flat: dict[str, Any]) -> Any:
         return items if isinstance(value, list) else tuple(items)
     if isinstance(value, torch.Tensor):
         flat[key] = value
-        sharded = isinstance(value, DTensor)
+        sharded = is_dtensor(value)
         return {"__tensor__": key, "shape": list(value.shape), "dtype": str(value.dtype), "sharded": sharded}
     return value
 
@@ -70,6 +68,9 @@ def _is_record(value: Any) -> bool:
 def _targets(skeleton: Any, mesh, flat: dict[str, Any]) -> None:
     """Empty tensors to load into, laid out for this run: a sharded one as this rank's rows on `mesh`
     (whole without a mesh: one process reading the checkpoint, e.g. `muloco sample`)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import zeros as dtensor_zeros
+
     if _is_record(skeleton):
         dtype = getattr(torch, skeleton["dtype"].removeprefix("torch."))
         shape = skeleton["shape"]
@@ -112,6 +113,8 @@ def save_sharded(
     at the same step; `lead`: this rank is its worker's first). `info`: what a resume checks before it
     reads anything (rank 0 writes it to INFO). Returns the checkpoint's directory; keeps the newest
     `keep`."""
+    import torch.distributed.checkpoint as dcp
+
     final = directory / f"step_{step:08d}"
     tmp = directory / f".tmp_step_{step:08d}"
     if backend.rank == 0:
@@ -203,6 +206,8 @@ def find_sharded(resume: str, directory: Path, backend: Backend) -> Path | None:
 
 def _read(path: Path, prefix: str, mesh) -> tuple[Any, dict[str, Any]]:
     """The replica's skeleton (its own small tensor), then every tensor it names."""
+    import torch.distributed.checkpoint as dcp
+
     key = f"{prefix}/skeleton"
     size = dcp.FileSystemReader(path).read_metadata().state_dict_metadata[key].size
     head = {key: torch.zeros(size, dtype=torch.uint8)}

@@ -15,17 +15,31 @@ fp32, until the step's last micro-batch) are torchtitan's defaults too.
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from muloco.comm.base import Backend
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+# FSDP2 and DTensor are imported where a sharded worker is built, not at start: they cost ~0.7 s of CPU per
+# process (the test suite starts hundreds). Until they are imported, no tensor can be a DTensor and no
+# module an FSDPModule, which is what `is_dtensor` and `reshard` rely on.
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def worker_mesh(worker: Backend, device: torch.device) -> DeviceMesh:
     """The 1-D device mesh of this worker's ranks (its torch.distributed group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     return DeviceMesh.from_group(worker.group, device.type)
 
 
@@ -48,6 +62,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, bf16: bool) -> nn.Module:
     gathered and computed in bf16, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy). Gradients
     are summed over the worker's ranks, not averaged: each rank's loss is already its share of the step's
     mean (replica.py), as with `replicate`."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     kwargs = {"mesh": mesh, **({"mp_policy": policy} if policy is not None else {})}
     for block in blocks(model):
@@ -63,14 +79,17 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, bf16: bool) -> nn.Module:
 def reshard(model: nn.Module) -> None:
     """Back to this rank's rows after a forward without backward (an eval): FSDP2 keeps the root's
     gathered parameters until the backward that never comes. A no-op for a model that is not sharded."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return  # never imported: no module is sharded
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if isinstance(module, fsdp.FSDPModule):
             module.reshard()
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's rows of a sharded tensor (a DTensor), or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def local_params(model: nn.Module) -> list[torch.Tensor]:
@@ -81,8 +100,10 @@ def local_params(model: nn.Module) -> list[torch.Tensor]:
 def as_shard_of(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`rows` (this rank's part) as a DTensor laid out like the sharded parameter `like`; `rows` itself
     when `like` is not sharded. Used to checkpoint the state DiLoCo keeps per shard."""
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return rows
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(rows, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
 
 

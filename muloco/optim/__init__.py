@@ -20,7 +20,16 @@ from muloco.optim.factory import InnerOptimizer, build_inner_optimizer
 from muloco.optim.muon import Muon, adjusted_lr, muon_update
 from muloco.optim.newton_schulz import COEFFICIENT_SETS, newton_schulz
 from muloco.optim.routing import muon_param_groups, routing_table
-from muloco.optim.sharded_muon import ShardedMuon
+
+
+def __getattr__(name: str):
+    # ShardedMuon imports DTensor (~0.7 s of CPU): only where a sharded worker needs it.
+    if name == "ShardedMuon":
+        from muloco.optim.sharded_muon import ShardedMuon
+
+        return ShardedMuon
+    raise AttributeError(f"module 'muloco.optim' has no attribute {name!r}")
+
 
 __all__ = [
     "COEFFICIENT_SETS",

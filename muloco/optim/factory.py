@@ -32,7 +32,6 @@ from muloco.optim.distributed_muon import DistributedMuon
 from muloco.optim.muon import Muon
 from muloco.optim.newton_schulz import KELLER, resolve_coefficients
 from muloco.optim.routing import Named, format_routing, muon_param_groups
-from muloco.optim.sharded_muon import ShardedMuon
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -173,6 +172,8 @@ def _muon(
     groups = [{"params": upright}] if upright else []
     groups += [{"params": list(transposed), "transposed": True}] if transposed else []
     if sharded:  # FSDP2 parameters: each matrix gathered to its owner rank for Newton-Schulz
+        from muloco.optim.sharded_muon import ShardedMuon  # imports DTensor: only here
+
         muon: Muon = ShardedMuon(groups, **hyperparameters)
     elif process_group is not None and dist.get_world_size(process_group) > 1:
         muon = DistributedMuon(groups, **hyperparameters, process_group=process_group)
