@@ -61,6 +61,7 @@ def bpe_data(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # processes of their own (CLI runs or ranks): 5-17 s on 2 cores
 @pytest.mark.parametrize("model", ["factory", "gpt2", "llama"])
 def test_train_and_sample_with_your_own_model_and_bpe_data(tmp_path, bpe_data, model, monkeypatch):
     (tmp_path / "my_lm.py").write_text(FACTORY)
@@ -114,6 +115,7 @@ def test_sample_from_a_byte_level_run_decodes_bytes(tmp_path, tiny):
     assert greedy[0].startswith("def ")
 
 
+@pytest.mark.slow  # processes of their own (CLI runs or ranks): 5-17 s on 2 cores
 def test_sample_errors_are_one_line(tmp_path):
     for args, needle in (
         ([tmp_path], "has no config.yaml"),
@@ -150,6 +152,7 @@ def test_cli_errors_for_models_and_data_are_one_line_exit_2(tmp_path, command, n
     assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], result.stderr
 
 
+@pytest.mark.slow  # processes of their own (CLI runs or ranks): 5-17 s on 2 cores
 def test_a_factory_changed_under_a_checkpoint_is_a_clean_error(tmp_path, tiny):
     (tmp_path / "my_lm.py").write_text(FACTORY)
     args = ["train", ROOT / "configs/quickstart.yaml", *tiny, "model.factory=my_lm:build", "run.name=f"]
@@ -162,6 +165,7 @@ def test_a_factory_changed_under_a_checkpoint_is_a_clean_error(tmp_path, tiny):
     )
 
 
+@pytest.mark.slow  # processes of their own (CLI runs or ranks): 5-17 s on 2 cores
 def test_sample_refuses_token_files_of_unknown_tokenizer(tmp_path, tiny):
     import numpy as np
 

@@ -147,6 +147,7 @@ def run_ranks(world_size: int, out: Path) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
 
 
+@pytest.mark.slow  # processes of their own (CLI runs or ranks): 5-17 s on 2 cores
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fsdp2_ranks_equal_single_process_muon(tmp_path, world_size):
     results = run_ranks(world_size, tmp_path)

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import TINY
 from test_helpers import run_muloco as muloco
@@ -52,6 +53,7 @@ def test_dry_run_lists_runs_and_runs_nothing(tmp_path, capsys, write_sweep):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # processes of their own (CLI runs or ranks): 5-17 s on 2 cores
 def test_sweep_end_to_end_then_resume(tmp_path, write_sweep):
     fixed = {".".join(k): v for k, v in map(parse_override, TINY)}
     fixed["train.threads"] = 1  # a tiny model: more threads only contend (the machine may be busy)

@@ -79,6 +79,7 @@ def test_bad_key_files_are_one_line_config_errors(tmp_path, mode, content, messa
         read_key(str(tmp_path / "missing.key"))
 
 
+@pytest.mark.slow  # processes of their own (CLI runs or ranks): 5-17 s on 2 cores
 def test_the_cli_writes_a_key_and_refuses_to_overwrite_it(tmp_path):
     first = run_muloco("swarm-key", tmp_path / "k")
     assert first.returncode == 0 and os.stat(tmp_path / "k").st_mode & 0o777 == 0o600
@@ -87,6 +88,7 @@ def test_the_cli_writes_a_key_and_refuses_to_overwrite_it(tmp_path):
     assert "already exists" in again.stderr
 
 
+@pytest.mark.slow  # processes of their own (CLI runs or ranks): 5-17 s on 2 cores
 def test_a_train_run_with_a_bad_key_file_exits_2_in_one_line(tmp_path):
     key = tmp_path / "k"
     key.write_text("00" * 32)
