@@ -29,6 +29,9 @@ WAIT_S = 120.0
 MADDRS = re.compile(r"join with backend\.hivemind\.initial_peers=(\[.*\])")
 
 
+FAILED = "failed before it started"  # what rank 0 writes instead of an address when its case failed
+
+
 def wait_for_file(path: Path) -> str:
     deadline = time.monotonic() + WAIT_S
     while not path.exists():
@@ -36,7 +39,10 @@ def wait_for_file(path: Path) -> str:
             raise TimeoutError(f"{path} did not appear within {WAIT_S} s")
         time.sleep(0.05)
     time.sleep(0.05)  # written with one write_text: let it land whole
-    return path.read_text()
+    text = path.read_text()
+    if text == FAILED:  # fail fast: rank 0's case failed, no swarm or lighthouse will come
+        raise RuntimeError(f"rank 0 {FAILED} ({path.name})")
+    return text
 
 
 class MaddrsToFile(logging.Handler):
@@ -181,6 +187,10 @@ def main() -> None:
         except BaseException as exc:  # noqa: BLE001 - recorded for the test, which shows this rank's log
             logging.exception("case %s failed", case["name"])
             code = f"raised {type(exc).__name__}"
+            for suffix in (".maddrs", ".lighthouse"):  # the other ranks wait for one of these
+                address = rendezvous / f"{case['name']}{suffix}"
+                if rank == 0 and backend != "torch" and not address.exists():
+                    address.write_text(FAILED)
         finally:
             if isinstance(to_close, logging.Handler):
                 logging.getLogger().removeHandler(to_close)
