@@ -50,21 +50,28 @@ def _parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="list the runs and their overrides, run nothing"
     )
     plan = sub.add_parser(
-        "plan", help="project time per outer step and network wait on a link: DDP, DiLoCo, MuLoCo, streaming"
+        "plan",
+        help="project time per outer step and network wait on a link: DDP, DiLoCo, MuLoCo, streaming "
+        "(of a config's run, or of the flags' model and settings)",
     )
-    plan.add_argument("--params", default="150M", help="model size: a count (150M, 1.3B) or a preset name")
-    plan.add_argument("--workers", type=int, default=4, help="K, DiLoCo workers")
-    plan.add_argument("--sync-every", type=int, default=30, help="H, inner steps per outer step")
-    plan.add_argument("--bits", type=int, default=4, help="bits of the compressed MuLoCo rows")
-    plan.add_argument("--fragments", type=int, default=3, help="streaming P")
-    plan.add_argument("--overlap", type=int, default=2, help="streaming tau (inner steps)")
+    plan.add_argument("config", nargs="?", metavar="CONFIG", help="a run's YAML config (optional)")
+    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of CONFIG")
+    # Unset flags take the config's value, or the default named in their help without a config.
+    plan.add_argument("--params", help="model size: a count (150M, 1.3B) or a preset name (default 150M)")
+    plan.add_argument("--workers", type=int, help="K, DiLoCo workers (default 4)")
+    plan.add_argument("--sync-every", type=int, help="H, inner steps per outer step (default 30)")
+    plan.add_argument("--bits", type=int, help="bits of the compressed MuLoCo rows (default 4)")
+    plan.add_argument("--fragments", type=int, help="streaming P (default 3)")
+    plan.add_argument("--overlap", type=int, help="streaming tau, inner steps (default 2)")
     plan.add_argument(
         "--bandwidth-mbps", type=float, nargs="+", default=[100.0, 1000.0], help="link bandwidths (Mbit/s)"
     )
     plan.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency per ring hop (ms)")
     plan.add_argument("--step-time-s", type=float, help="one worker's inner-step compute time (s)")
     plan.add_argument(
-        "--tokens-per-step", type=int, default=16384, help="tokens per worker step, to estimate the step time"
+        "--tokens-per-step",
+        type=int,
+        help="tokens per worker step, to estimate the step time (default 16384)",
     )
     plan.add_argument(
         "--tflops", type=float, default=100.0, help="sustained TFLOP/s, to estimate the step time"
@@ -129,7 +136,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer.run_dir,
     )
     if summary["status"] == "completed" and trainer.is_main:
-        logging.getLogger("muloco").info("sample from it: muloco sample %s --prompt 'def '", trainer.run_dir)
+        prompt = " --prompt 'def '" if cfg.data.source == "builtin" else ""  # the built-in corpus is Python
+        logging.getLogger("muloco").info("sample from it: muloco sample %s%s", trainer.run_dir, prompt)
     if summary["status"] == "interrupted":
         return EXIT_INTERRUPTED.get(trainer.stop.signal, 130)
     return 0
@@ -231,13 +239,72 @@ def _plan_params(text: str) -> float:
         ) from None
 
 
+PLAN_DEFAULTS = {
+    "workers": 4,
+    "sync_every": 30,
+    "bits": 4,
+    "fragments": 3,
+    "overlap": 2,
+    "tokens_per_step": 16384,
+}
+
+
+def _plan_settings(args: argparse.Namespace) -> tuple[float, argparse.Namespace]:
+    """The model size and settings to project: each flag as given, else the config's run (its model, K,
+    H, bits when it compresses, streaming P and tau, a worker's tokens per step), else the default."""
+    from pathlib import Path
+
+    from muloco.config import load_config
+
+    from_config: dict = {}
+    params = _plan_params(args.params) if args.params is not None else None
+    if args.config is not None and "=" in args.config and not Path(args.config).exists():
+        raise UserError(f"KEY=VALUE overrides ({args.config}) need a CONFIG before them")
+    if args.config is not None:
+        cfg = load_config(args.config, args.overrides)
+        params = params or _config_params(cfg)
+        from_config = {
+            "workers": cfg.workers,
+            "sync_every": cfg.sync.every,
+            "fragments": cfg.sync.fragments,
+            "overlap": cfg.sync.overlap,
+            "tokens_per_step": cfg.worker_batch_tokens,
+        }
+        if cfg.compression.scheme in ("linear", "statistical"):
+            from_config["bits"] = cfg.compression.bits
+    elif args.overrides:
+        raise UserError(f"KEY=VALUE overrides ({args.overrides[0]}) need a CONFIG before them")
+    for name, default in PLAN_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, from_config.get(name, default))
+    return params or _plan_params("150M"), args
+
+
+def _config_params(cfg) -> float:
+    """The parameter count of a config's model (built on the meta device: no memory, no init)."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from muloco.models import build_model
+
+    vocab = cfg.data.vocab_size
+    meta = Path(cfg.data.path or ".").expanduser() / "meta.json"
+    if vocab is None and cfg.data.source == "tokens" and meta.is_file():
+        vocab = json.loads(meta.read_text()).get("vocab_size")
+    with torch.device("meta"):
+        model = build_model(cfg.model, vocab or 256)  # byte-level sources: 256 ids
+    return float(sum(p.numel() for p in model.parameters()))
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from muloco.compress.bits import QUANT_BITS, one_of
     from muloco.net.wan import Link, estimate_step_seconds, format_plan, plan, plan_as_dict
 
-    params = _plan_params(args.params)
+    params, args = _plan_settings(args)
     for name in ("workers", "sync_every", "fragments"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
@@ -262,6 +329,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{"bandwidth_mbps": b, "rows": plan_as_dict(r)} for b, r in results], indent=2))
         return 0
+    if args.config is not None:
+        print(f"the run of {' '.join([args.config, *args.overrides])}")
     print(
         f"params={params / 1e6:.1f}M workers={args.workers} H={args.sync_every} step_time={step:.3f}s "
         f"latency={args.latency_ms}ms (time per outer step = H inner steps)"

@@ -99,3 +99,29 @@ def test_sigint_checkpoints_and_exits_130(tmp_path, TINY):
     summary = json.loads((out / "run" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and 0 < summary["inner_steps"] < 1562
     assert list((out / "run" / "checkpoints").glob("step_*.pt"))
+
+
+def test_the_closing_hint_prompts_only_for_the_builtin_python_corpus(tmp_path, TINY, caplog):
+    """`--prompt 'def '` fits the built-in corpus (Python source); other data gets no prompt."""
+    from muloco.cli import main
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("the cat sat on the mat. " * 2000)
+    base = ["train", str(ROOT / "configs/quickstart.yaml"), *TINY, f"run.output_dir={tmp_path / 'runs'}"]
+    with caplog.at_level("INFO", logger="muloco"):
+        assert main([*base, "run.name=builtin"]) == 0
+        assert main([*base, "run.name=text", "data.source=text", f"data.path={text}"]) == 0
+    hints = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sample from it")]
+    assert hints[0].endswith("builtin --prompt 'def '") and hints[1].endswith("runs/text"), hints
+
+
+def test_token_counts_are_written_in_the_unit_that_fits():
+    from muloco.data.sources import _mtok
+
+    assert [_mtok(n) for n in (512, 20480, 1_250_000, 123_456_789, 2_100_000_000)] == [
+        "512",
+        "20.5k",
+        "1.25M",
+        "123M",
+        "2.1B",
+    ]

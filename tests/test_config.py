@@ -1,5 +1,6 @@
 """Config schema: loading, extends, overrides, and one clear error per kind of bad input."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,38 @@ def test_bad_input_gives_one_line_naming_the_field(tmp_path, name, text, overrid
         load_config(path, overrides)
     message = str(info.value)
     assert expected in message and "\n" not in message
+
+
+def test_an_error_names_its_source_the_override_or_the_file(tmp_path):
+    path = write(tmp_path, "c.yaml", "workers: 4\ninner: {lr: 0.02}\n")
+    with pytest.raises(ConfigError, match=r"^override 'workers=abc': workers: .*valid integer"):
+        load_config(path, ["workers=abc"])
+    with pytest.raises(ConfigError, match=r"^override 'model=\{d_model: x\}': model.d_model"):
+        load_config(path, ["model={d_model: x}"])  # a section override blamed for its field
+    bad_file = write(tmp_path, "bad.yaml", "workers: abc\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad_file))}: workers"):
+        load_config(bad_file, ["inner.lr=0.01"])  # the override is fine: the file is to blame
+
+
+def test_overrides_that_change_the_maths_name_the_run_after_them(tmp_path):
+    """So a docs command never lands in the directory of a run of another config (issue: first hour)."""
+    qs = str(ROOT / "configs/quickstart.yaml")
+    assert load_config(qs).run.name == "quickstart"
+    assert load_config(qs, ["workers=8"]).run.name == "quickstart_w8"
+    assert load_config(qs, ["method=dp"]).run.name == "quickstart_dp"
+    assert load_config(qs, ["inner.optimizer=adamw"]).run.name == "quickstart_adamw"
+    four_bit = ["compression.scheme=statistical", "compression.bits=4"]
+    assert load_config(qs, four_bit).run.name == "quickstart_4bit_statistical"
+    assert load_config(qs, four_bit[::-1]).run.name == "quickstart_4bit_statistical"  # any order
+    assert load_config(qs, ["inner.lr=0.01"]).run.name != load_config(qs, ["outer.lr=0.01"]).run.name
+    # What does not change the maths (logging, where it runs, resume) or restates the file keeps the name.
+    same = ["logging.progress=off", "train.threads=1", "backend.kind=local", "workers=4", "run.output_dir=x"]
+    assert load_config(qs, same).run.name == "quickstart"
+    assert load_config(qs, ["workers=8", "run.name=mine"]).run.name == "mine"  # chosen: kept
+    long = [f"model.d_model={64}", "model.n_layers=3", "model.n_heads=4", "train.total_tokens=12345"]
+    name = load_config(qs, [*long, "train.batch_tokens=2048"]).run.name
+    assert name.startswith("quickstart_") and len(name) == len("quickstart_") + 8  # too long: a hash
+    assert load_config(None, ["workers=8"]).run.name == "run"  # no file, nothing to derive from
 
 
 def test_cli_config_prints_resolved_yaml_and_bad_input_exits_2(tmp_path):

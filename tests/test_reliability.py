@@ -41,10 +41,10 @@ def TINY_module():
 
 
 def snapshot(directory: Path) -> dict[str, str]:
+    """Every file's digest and every directory (a new empty run directory shows too)."""
     return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
         for p in sorted(directory.rglob("*"))
-        if p.is_file()
     }
 
 
@@ -206,6 +206,21 @@ def test_bad_input_exits_2_names_the_field_and_leaves_earlier_runs_alone(
     assert len(errors) == 1 and needle in errors[0], err
     assert "Traceback" not in err
     assert snapshot(earlier) == before  # no file of the earlier run was touched
+
+
+def test_bad_data_leaves_no_run_directory_behind(TINY_module, tmp_path, capsys):
+    """The run directory is made once the config and the data are known to be good."""
+    runs = tmp_path / "runs"
+    args = [
+        "train",
+        QS,
+        *TINY_module,
+        f"run.output_dir={runs}",
+        "data.source=text",
+        "data.path=/nonexistent/c",
+    ]
+    assert main(args) == 2
+    assert "data.path" in capsys.readouterr().err and not runs.exists()
 
 
 def test_the_bad_input_suite_is_large_enough():

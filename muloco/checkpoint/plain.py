@@ -3,6 +3,11 @@
 Files are `<run_dir>/checkpoints/step_<inner step, 8 digits>.pt`. A write goes to a temporary file in the
 same directory, is fsynced, then renamed over the final name, so a crash leaves either the old set of
 checkpoints or the new one, never a torn file under a final name.
+
+Integrity: torch.save writes a zip archive holding a CRC-32 of every record (the pickled structure and each
+tensor's bytes), but torch.load does not check them, so bytes damaged on disk would load as wrong weights.
+`load_checkpoint` verifies every record's CRC first (`verify_archive`); a damaged file is treated like a torn
+one: skipped with a warning naming it, and the next older valid checkpoint used.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import logging
 import os
 import re
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +61,7 @@ def save_checkpoint(state: dict[str, Any], directory: Path, step: int, keep: int
     final = checkpoint_path(directory, step)
     fd, tmp_name = tempfile.mkstemp(prefix=".tmp_", suffix=".pt", dir=directory)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f, _records_checksummed():
             torch.save({"format": FORMAT_VERSION, **state}, f)
             f.flush()
             os.fsync(f.fileno())
@@ -69,12 +75,43 @@ def save_checkpoint(state: dict[str, Any], directory: Path, step: int, keep: int
     return final
 
 
+class _records_checksummed:
+    """torch.save computes the records' CRC-32s unless a user turned that off
+    (`torch.serialization.set_crc32_options`): a checkpoint always carries them."""
+
+    def __enter__(self) -> None:
+        self.previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(True)
+
+    def __exit__(self, *exc) -> None:
+        torch.serialization.set_crc32_options(self.previous)
+
+
+def verify_archive(path: Path) -> None:
+    """Every record of the checkpoint's zip archive matches the CRC-32 written with it; else
+    CheckpointError. Bytes outside the records (zip headers' padding) do not change what loads."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except Exception as exc:  # damaged headers raise many types (BadZipFile, struct.error, ...)
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or not a muloco checkpoint ({type(exc).__name__}); "
+            "delete it or set checkpoint.resume=never"
+        ) from None
+    if damaged is not None:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: record {damaged} does not match its checksum; "
+            "delete it or set checkpoint.resume=never"
+        )
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load one checkpoint; a missing, truncated or foreign file raises CheckpointError."""
+    """Load one checkpoint; a missing, truncated, damaged or foreign file raises CheckpointError."""
     if not path.is_file():
         raise CheckpointError(
             f"checkpoint.resume: file not found: {path}; check the path or use resume=never"
         )
+    verify_archive(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a torn or foreign file

@@ -11,10 +11,15 @@ temporary directory, and rank 0 renames it to its final name only after all rank
 killed mid-write (even kill -9) leaves the previous steps as they were; resume takes the newest complete
 step, which every rank shares. The directory must be visible to every rank (one machine, or a shared file
 system across nodes).
+
+Integrity: before the rename, rank 0 writes DIGESTS (the SHA-256 of every file DCP wrote); a checkpoint whose
+files do not match them (bytes damaged on disk: DCP has no checksum of its own) is skipped like a torn one,
+with a warning naming the file, and the next older complete one used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -36,6 +41,7 @@ log = logging.getLogger("muloco")
 
 FORMAT_VERSION = 1
 INFO = "muloco.json"  # format, step, the config's layout-free fingerprint, workers
+DIGESTS = "digests.json"  # {file name: SHA-256} of every other file of the checkpoint
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -135,6 +141,7 @@ def save_sharded(
     dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
     backend.barrier()  # every rank's files are there
     if backend.rank == 0:
+        _write_digests(tmp)
         aside = directory / f".old_step_{step:08d}"
         if final.exists():  # the same step again (a finished run resumed): replaced, never missing
             os.replace(final, aside)
@@ -168,6 +175,48 @@ def save_worker_shards(
     return save_sharded(state, directory, step, keep, backend, prefix, is_lead, info)
 
 
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_digests(directory: Path) -> None:
+    files = [p for p in sorted(directory.iterdir()) if p.is_file() and not p.name.endswith(DIGESTS)]
+    digests = {p.name: _file_digest(p) for p in files}
+    tmp = directory / f".tmp_{DIGESTS}"
+    with tmp.open("w") as f:
+        json.dump(digests, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / DIGESTS)
+
+
+def verify_digests(path: Path) -> None:
+    """Every file of the checkpoint is there and matches DIGESTS; else CheckpointError. A checkpoint
+    without DIGESTS was written before they existed (a save writes them before the checkpoint's rename):
+    read as it is, with a warning."""
+    if not (path / DIGESTS).exists():
+        log.warning("sharded checkpoint %s has no %s (an older muloco wrote it): not checked", path, DIGESTS)
+        return
+    try:
+        digests = json.loads((path / DIGESTS).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"sharded checkpoint {path} has no readable {DIGESTS} ({type(exc).__name__}); set "
+            "checkpoint.resume=never or name another step"
+        ) from None
+    for name, expected in sorted(digests.items()):
+        file = path / name
+        if not file.is_file() or _file_digest(file) != expected:
+            raise CheckpointError(
+                f"sharded checkpoint {path} is damaged: {name} does not match its digest; "
+                "delete it or set checkpoint.resume=never"
+            )
+
+
 def read_info(path: Path) -> dict[str, Any]:
     """The checkpoint's INFO (no collective: every rank reads the same file)."""
     try:
@@ -197,11 +246,30 @@ def find_sharded(resume: str, directory: Path, backend: Backend) -> Path | None:
                 f"checkpoint.resume: {path} is not a sharded checkpoint (a step_* directory with "
                 "DCP's .metadata); check the path or set checkpoint.resume=never"
             )
+        verify_digests(path)
         return path
-    found = list_sharded(directory)
-    newest = found[-1].name if found else ""
-    agreed = backend.all_gather_bytes(newest.encode()).wait()[0].decode()
-    return directory / agreed if agreed else None
+    newest, problem = "", ""
+    if backend.rank == 0:  # the files are shared: one rank reads them
+        newest, problem = newest_intact(list_sharded(directory))
+    answer = backend.all_gather_bytes(json.dumps([newest, problem]).encode()).wait()[0]
+    newest, problem = json.loads(answer)
+    if problem:
+        raise CheckpointError(problem)
+    return directory / newest if newest else None
+
+
+def newest_intact(found: list[Path]) -> tuple[str, str]:
+    """(the newest checkpoint whose files match their digests, "") or ("", the first problem) when every
+    one is damaged; ("", "") when there are none."""
+    problems = []
+    for path in reversed(found):
+        try:
+            verify_digests(path)
+            return path.name, ""
+        except CheckpointError as exc:
+            log.warning("skipping damaged checkpoint path=%s reason=%s", path, exc)
+            problems.append(str(exc))
+    return "", problems[0] if problems else ""
 
 
 def _read(path: Path, prefix: str, mesh) -> tuple[Any, dict[str, Any]]:

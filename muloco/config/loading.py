@@ -12,7 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from muloco.config.schema import Config
+from muloco.config.naming import name_part
+from muloco.config.schema import Config, fingerprinted
 from muloco.errors import ConfigError
 
 # --- loading ----------------------------------------------------------------------------------------
@@ -175,15 +176,76 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
     return f"{source}: {field}: {msg}{got_text}; {fix}"
 
 
-def validate(data: dict[str, Any], source: str = "config") -> Config:
+def validate(
+    data: dict[str, Any], source: str = "config", overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """The config, or a one-line ConfigError blaming the override that set the bad field (if one did),
+    else `source`."""
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, source)) from None
+        field = ".".join(str(p) for p in exc.errors()[0]["loc"] if not isinstance(p, int))
+        culprit = _override_setting(field, overrides) if field else None
+        raise ConfigError(
+            _format_validation_error(exc, f"override {culprit!r}" if culprit else source)
+        ) from None
+
+
+def _override_setting(field: str, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """The last override that set `field` or a section holding it (`model={...}` sets model.d_model)."""
+    for text in reversed(overrides):
+        key = text.split("=", 1)[0].strip()
+        if field == key or field.startswith(key + "."):
+            return text
+    return None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load and validate a config: YAML (with `extends:`), then dotted `KEY=VALUE` overrides."""
-    data = load_raw(path) if path is not None else {}
-    data = apply_overrides(data, list(overrides))
-    return validate(data, source=str(path) if path is not None else "config")
+    """Load and validate a config: YAML (with `extends:`), then dotted `KEY=VALUE` overrides. Overrides that
+    change the maths name the run after them unless they set run.name (`name_for_overrides`)."""
+    file_data = load_raw(path) if path is not None else {}
+    source = str(path) if path is not None else "config"
+    data = apply_overrides(file_data, list(overrides))
+    cfg = validate(data, source, overrides)
+    if path is None:
+        return cfg
+    name = name_for_overrides(cfg, file_data, overrides)
+    return cfg if name == cfg.run.name else validate({**data, "run": {**data.get("run", {}), "name": name}})
+
+
+def _file_value(file_data: dict[str, Any], key: str) -> Any:
+    node: Any = file_data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+MAX_NAME = 80  # a longer derived name becomes `<run.name>_<fingerprint>`
+
+
+def name_for_overrides(cfg: Config, file_data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> str:
+    """The run's name: the file's run.name, or, when command-line overrides change the config's maths
+    (its fingerprint), that name with a part per such override (`quickstart_w8`, `quickstart_dp`,
+    `quickstart_4bit_statistical`, `quickstart_inner.lr-0.01`; sorted by key, so the same overrides in any
+    order find the same run again). So a run of another config never lands in an earlier run's directory.
+    run.name given as an override is taken as it is."""
+    parsed = {".".join(parts): value for parts, value in map(parse_override, overrides)}
+    if "run.name" in parsed:
+        return cfg.run.name
+    changing = {
+        key: value
+        for key, value in sorted(parsed.items())
+        if fingerprinted(key) and _file_value(file_data, key) != value
+    }
+    if not changing:
+        return cfg.run.name
+    try:
+        if Config.model_validate(file_data).fingerprint() == cfg.fingerprint():
+            return cfg.run.name  # the overrides restate the file's values
+    except ValidationError:
+        pass  # the file alone is not a valid config: the overrides complete it
+    parts = [name_part(key, value, changing, label=key) for key, value in changing.items()]
+    name = "_".join([cfg.run.name, *(p for p in parts if p)])
+    return name if len(name) <= MAX_NAME else f"{cfg.run.name}_{cfg.fingerprint()[:8]}"

@@ -28,6 +28,32 @@ from muloco.config.sections import (
     TrainConfig,
 )
 
+# What the fingerprint leaves out: where the replicas run and what is logged when (a run may resume on
+# another layout or with other logging). model.compile: where the maths runs, not what it is.
+NOT_FINGERPRINTED_SECTIONS = (
+    "run",
+    "logging",
+    "checkpoint",
+    "backend",
+    "simulation",
+    "device",
+    "diagnostics",
+)
+NOT_FINGERPRINTED_KEYS = (
+    "train.threads",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_tokens",
+    "train.max_bad_syncs",
+    "model.compile",
+)
+
+
+def fingerprinted(key: str) -> bool:
+    """Whether a dotted key (`inner.lr`) is part of the config's fingerprint, i.e. changes the maths."""
+    parts = key.split(".")
+    return parts[0] not in NOT_FINGERPRINTED_SECTIONS and ".".join(parts[:2]) not in NOT_FINGERPRINTED_KEYS
+
 
 class Config(Section):
     """A whole run. Sections as in DESIGN.md."""
@@ -206,30 +232,20 @@ class Config(Section):
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def fingerprint(
-        self,
-        exclude: tuple[str, ...] = (
-            "run",
-            "logging",
-            "checkpoint",
-            "backend",
-            "simulation",
-            "device",
-            "diagnostics",
-        ),
-        with_layout: bool = True,
+        self, exclude: tuple[str, ...] = NOT_FINGERPRINTED_SECTIONS, with_layout: bool = True
     ) -> str:
         """Hash of the settings that change the maths, to tell checkpoints and ranks apart. Where the
         replicas run (backend, simulation, device, train.threads) and what is logged when are left out:
         a run may resume on another layout or with other logging."""
         data = {k: v for k, v in self.to_dict().items() if k not in exclude}
-        for key in ("threads", "log_every", "eval_every", "eval_tokens", "max_bad_syncs"):
-            data["train"].pop(key, None)
+        for key in NOT_FINGERPRINTED_KEYS:
+            section, name = key.split(".")
+            data[section].pop(name, None)
         # Keys added after checkpoints existed count only when set, so older checkpoints still resume.
         model = data["model"]
         for key, default in (("qkv", "fused"), ("factory", None), ("kwargs", {}), ("hf", None)):
             if model.get(key) == default:
                 del model[key]
-        model.pop("compile", None)  # where the maths runs, not what it is: resume with it on or off
         if data.get("sharding") == "replicate":
             del data["sharding"]  # added after checkpoints existed
         if not with_layout:  # a sharded checkpoint resumes with any ranks_per_worker (sharded_checkpoint.py)

@@ -16,7 +16,11 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    name: str = Field("run", description="Run name; the run directory is `<output_dir>/<name>/`.")
+    name: str = Field(
+        "run",
+        description="Run name; the run directory is `<output_dir>/<name>/`. Command-line overrides that "
+        "change the maths add their values to a config file's name (`quickstart_w8`), unless one sets it.",
+    )
     output_dir: str = Field("runs", description="Parent directory of run directories.")
     seed: int = Field(0, description="Seed for model init, data order and every replica's RNG.")
 

@@ -77,7 +77,11 @@ def _byte_vocab(cfg: DataConfig) -> int:
 
 
 def _mtok(n: int) -> str:
-    return f"{n / 1e6:.2f}M"
+    """A token count in the unit that fits its size: 512, 20.5k, 1.25M, 2.10B."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}" if n < 100 * scale else f"{n / scale:.0f}{unit}"
+    return str(n)
 
 
 # --- builtin ----------------------------------------------------------------------------------------

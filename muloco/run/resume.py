@@ -57,7 +57,8 @@ def find_resume_checkpoint(
     if state.get("fingerprint") != fingerprint:
         raise CheckpointError(
             f"checkpoint {path} was written with a different config; resume with the same config, "
-            "or pick a new run.name (or checkpoint.resume=never to start over)"
+            "or pick a new run.name (or checkpoint.resume=never to start over: the earlier run is moved "
+            "to run.output_dir/.replaced/)"
         )
     if state.get("local_indices") != local_indices:
         raise CheckpointError(

@@ -5,14 +5,19 @@ starts, written atomically, and never touched by a run that is refused (bad inpu
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+from muloco.comm import Backend
 from muloco.config import Config
 from muloco.errors import UserError
+
+log = logging.getLogger("muloco")
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -23,11 +28,32 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def prepare_run_dir(cfg: Config) -> Path:
-    """Create `<output_dir>/<name>/` and check that it is writable; nothing of an earlier run is touched
-    (config.yaml is written only once the run is known to start or resume: `write_resolved_config`)."""
-    run_dir = Path(cfg.run.output_dir).expanduser() / cfg.run.name
+def run_dir_of(cfg: Config) -> Path:
+    return Path(cfg.run.output_dir).expanduser() / cfg.run.name
+
+
+REPLACED = ".replaced"  # <output_dir>/.replaced/<name>-<UTC time>/: runs that resume=never started over
+
+
+def prepare_run_dir(cfg: Config, backend: Backend | None = None) -> Path:
+    """Create `<output_dir>/<name>/` and check that it is writable. Nothing of an earlier run is lost:
+    `checkpoint.resume=never` on a directory holding a run moves that run to `<output_dir>/.replaced/`
+    first, and config.yaml is written only once the run is known to start or resume
+    (`write_resolved_config`). Several ranks (a collective): rank 0 first, the others after it."""
+    if backend is None or backend.world_size == 1:
+        return _prepare(cfg, lead=True)
+    if backend.rank == 0:
+        _prepare(cfg, lead=True)
+    backend.barrier()
+    return _prepare(cfg, lead=False) if backend.rank != 0 else run_dir_of(cfg)
+
+
+def _prepare(cfg: Config, lead: bool) -> Path:
+    run_dir = run_dir_of(cfg)
     try:
+        if lead and cfg.checkpoint.resume == "never" and holds_a_run(run_dir):
+            moved = move_aside(run_dir)
+            log.warning("checkpoint.resume=never: the earlier run in %s was moved to %s", run_dir, moved)
         run_dir.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".tmp_", dir=run_dir)
         os.close(fd)
@@ -38,6 +64,28 @@ def prepare_run_dir(cfg: Config) -> Path:
             "choose a writable run.output_dir"
         ) from None
     return run_dir
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    """Anything a run writes: its config, metrics, summary or checkpoints."""
+    if any((run_dir / name).exists() for name in ("config.yaml", "metrics.jsonl", "summary.json")):
+        return True
+    checkpoints = run_dir / "checkpoints"
+    return checkpoints.is_dir() and any(checkpoints.iterdir())
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Move a run directory to `<output_dir>/.replaced/<name>-<UTC time>/` (a new name each time; out of
+    the way of `muloco report <output_dir>`, which reads `<output_dir>/*/summary.json`)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = run_dir.parent / REPLACED / f"{run_dir.name}-{stamp}"
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = run_dir.parent / REPLACED / f"{run_dir.name}-{stamp}-{suffix}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(run_dir, target)
+    return target
 
 
 def write_resolved_config(cfg: Config, run_dir: Path) -> None:

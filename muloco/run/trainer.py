@@ -49,6 +49,7 @@ from muloco.run.offload import ReplicaOffload, offload_applies
 from muloco.run.resume import check_same_config, load_components, resume_run
 from muloco.run.run_dir import (
     prepare_run_dir,
+    run_dir_of,
     write_json_atomic,
     write_resolved_config,
     write_tokenizer_record,
@@ -56,6 +57,7 @@ from muloco.run.run_dir import (
 from muloco.run.signals import EXIT_INTERRUPTED, StopRequest
 from muloco.run.state import CommLedger, Progress, RngState, StateList, WanProjection
 from muloco.run.summary import build_summary
+from muloco.run.threads import set_threads
 from muloco.sync import Reducer, SyncEngine, SyncRecord, build_reducer
 
 log = logging.getLogger("muloco")
@@ -81,10 +83,9 @@ class Trainer:
     def _set_up(self, cfg: Config) -> None:
         K = cfg.workers
         self.is_main = self.backend.rank == 0
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
         self.device = resolve_device(cfg.device)
-        self.run_dir = prepare_run_dir(cfg)
+        set_threads(cfg.train.threads, self.device)
+        self.run_dir = run_dir_of(cfg)  # created once the config and the data are known to be good
         check_same_config(self.backend, cfg.fingerprint())
         rank = self.backend.rank
         self.checkpoint_dir = self.run_dir / "checkpoints" / ("" if rank == 0 else f"rank{rank}")
@@ -102,6 +103,7 @@ class Trainer:
         self.seqs_per_micro = (cfg.train.micro_batch_tokens or cfg.worker_batch_tokens) // seq_len
         self.micro_batches = cfg.worker_batch_tokens // (self.seqs_per_micro * seq_len)
         self.val_set = val_batches(self.data.val, seq_len, cfg.train.eval_tokens, self.seqs_per_micro)
+        prepare_run_dir(cfg, self.backend)
 
         # Every replica starts from the same seeded initialization; with several processes rank 0's weights
         # are also broadcast (every process must take part), so all replicas start identical.

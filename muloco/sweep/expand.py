@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import re
 from typing import Any
 
+from muloco.config.naming import name_part, short_labels
 from muloco.sweep.spec import _canonical
 
 # A DP run ignores these sections, so its baseline drops them (and sets compression.scheme=none, which
@@ -56,61 +56,13 @@ def dp_baseline_assignment(assignment: dict[str, Any]) -> dict[str, Any]:
 # --- run names (pure) -------------------------------------------------------------------------------
 
 
-def format_value(value: Any) -> str:
-    """A value as a short, filesystem-safe name part."""
-    if isinstance(value, bool):
-        text = "true" if value else "false"
-    elif value is None:
-        text = "null"
-    elif isinstance(value, list | tuple):
-        text = "-".join(format_value(v) for v in value)
-    else:
-        text = str(value)
-    return re.sub(r"[^A-Za-z0-9._+-]+", "-", text).strip("-.") or "x"
-
-
-def _short_labels(keys: list[str]) -> dict[str, str]:
-    """The shortest dotted suffix of each key that is unique among keys: inner.lr -> lr, unless outer.lr
-    also varies (then inner.lr / outer.lr)."""
-    labels = {}
-    for key in keys:
-        parts = key.split(".")
-        for n in range(1, len(parts) + 1):
-            label = ".".join(parts[-n:])
-            if sum(1 for other in keys if other == label or other.endswith("." + label)) == 1:
-                break
-        labels[key] = label
-    return labels
-
-
-def name_part(key: str, value: Any, assignment: dict[str, Any], label: str) -> str:
-    """One key's part of a run name: readable for the keys sweeps vary most, `label-value` otherwise.
-    Compression bits / error feedback are left out of runs they do not apply to (fp32 runs)."""
-    scheme = assignment.get("compression.scheme")
-    if key in ("inner.optimizer", "method", "model.preset", "data.source"):
-        return format_value(value)
-    if key == "compression.scheme":
-        return "fp32" if value == "none" else format_value(value)
-    if key == "workers":
-        return f"w{format_value(value)}"
-    if key == "sync.every":
-        return f"H{format_value(value)}"
-    if key == "run.seed":
-        return f"seed{format_value(value)}"
-    if key == "compression.bits":
-        return "" if scheme not in (None, "linear", "statistical") else f"{format_value(value)}bit"
-    if key == "compression.error_feedback":
-        return "" if scheme == "none" else ("ef" if value else "noef")
-    return f"{format_value(label)}-{format_value(value)}"
-
-
 def run_names(assignments: list[dict[str, Any]], prefixes: list[str] | None = None) -> list[str]:
     """Short, readable, filesystem-safe names, unique and deterministic: the parts of the keys that vary
     across the runs, joined by '_' (e.g. `muon_w4`). Names that still collide get a short hash suffix."""
     prefixes = prefixes or [""] * len(assignments)
     keys = list(dict.fromkeys(k for a in assignments for k in a))
     varied = [k for k in keys if len({_canonical(a.get(k)) for a in assignments}) > 1]
-    labels = _short_labels(varied)
+    labels = short_labels(varied)
     names = []
     for assignment, prefix in zip(assignments, prefixes, strict=True):
         parts = [prefix] if prefix else []

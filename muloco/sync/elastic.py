@@ -41,6 +41,7 @@ from muloco.config import TorchftBackendConfig
 from muloco.errors import TrainingError, UserError
 from muloco.run.state import Component
 from muloco.sync.codec import PseudogradientCodec, pack
+from muloco.sync.digest import state_digest
 from muloco.sync.reduce import Contribution, Mean, PendingMean, SharedState, share_with_worker
 
 log = logging.getLogger("muloco")
@@ -141,9 +142,14 @@ class ElasticReducer:
         syncing = self._syncing
         apply_step = syncing.apply_step if syncing.apply_step is not None else syncing.step
         meta = {**meta, "sync_fragment": syncing.fragment, "sync_apply_step": apply_step}
-        return {"tensors": [t.detach().cpu().clone() for t in tensors], "meta": meta}
+        copies = [t.detach().cpu().clone() for t in tensors]
+        return {"tensors": copies, "meta": meta, "digest": state_digest(copies)}
 
     def _receive_state(self, received: dict[str, Any]) -> None:
+        """A donor's state, checked against the digest it sent before it is adopted: a mismatch fails
+        this quorum like a broken transfer (torchft_group.form_quorum), and the next one heals anew."""
+        if state_digest(received["tensors"]) != received.get("digest"):
+            raise ValueError("the healing state does not match its donor's digest (damaged in transfer)")
         self._received = received
 
     def _adopt_received(self, c: Contribution) -> Contribution | None:

@@ -208,7 +208,7 @@ class SwarmReducer:
         missed_group = mean.details.get("group_size") == 1
         reference = mean.details.get("state_reference")  # a peer id when this peer's state differs
         if missed_group:  # it went its own way: it does not offer that state, but announces it truthfully
-            from muloco.comm.hivemind.state_sharing import state_digest
+            from muloco.sync.digest import state_digest
 
             self.digest = state_digest(state.export_state()[0])
         else:

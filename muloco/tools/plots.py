@@ -23,14 +23,39 @@ def _save(fig: Figure, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# DP baselines: dark and broken like a reference line, each with its own dash pattern and marker, so that a
+# panel's legend tells several baselines (e.g. one per K) apart.
+BASELINE_STYLES = [
+    {"color": "black", "linestyle": "--", "marker": "x"},
+    {"color": "dimgray", "linestyle": "-.", "marker": "+"},
+    {"color": "black", "linestyle": ":", "marker": "s"},
+    {"color": "dimgray", "linestyle": (0, (5, 1, 1, 1, 1, 1)), "marker": "^"},
+    {"color": "gray", "linestyle": (0, (1, 1)), "marker": "v"},
+    {"color": "black", "linestyle": (0, (8, 2)), "marker": "D"},
+]
+
+
+def curve_styles(curves: list[Curve]) -> list[dict]:
+    """The plot style of each curve of a panel: DP baselines each their own (BASELINE_STYLES, in turn),
+    the other runs matplotlib's colour cycle with dots."""
+    styles, baselines = [], 0
+    for _, is_dp, _, _ in curves:
+        if is_dp:
+            styles.append({**BASELINE_STYLES[baselines % len(BASELINE_STYLES)], "markersize": 4})
+            baselines += 1
+        else:
+            styles.append({"marker": ".", "markersize": 3})
+    return styles
+
+
 def loss_vs_tokens(groups: dict[str, list[Curve]], path: Path) -> None:
-    """Validation loss against tokens seen, one panel per inner optimizer; DP baselines dashed black."""
+    """Validation loss against tokens seen, one panel per inner optimizer; DP baselines dark and broken,
+    each its own style."""
     fig = Figure(figsize=(5.5 * len(groups), 4.2))
     axes = fig.subplots(1, len(groups), squeeze=False, sharey=True)[0]
     for ax, (group, curves) in zip(axes, groups.items(), strict=True):
-        for label, is_dp, tokens, losses in curves:
-            style = {"color": "black", "linestyle": "--"} if is_dp else {}
-            ax.plot(tokens, losses, marker=".", markersize=3, linewidth=1.2, label=label, **style)
+        for (label, _, tokens, losses), style in zip(curves, curve_styles(curves), strict=True):
+            ax.plot(tokens, losses, linewidth=1.2, label=label, **style)
         ax.set_title(f"inner optimizer: {group}")
         ax.set_xlabel("tokens seen (all workers)")
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: short_number(x)))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from muloco.checkpoint.plain import find_resume_state
-from muloco.checkpoint.sharded import list_sharded, load_sharded
+from muloco.checkpoint.sharded import list_sharded, load_sharded, newest_intact
 from muloco.config import load_config
 from muloco.data.tokenizer import ByteTokenizer, load_run_tokenizer
 from muloco.errors import CheckpointError, UserError, one_line
@@ -48,8 +48,11 @@ def load_trained_model(run_dir: Path) -> tuple[nn.Module, object, int]:
     cfg = load_config(str(run_dir / "config.yaml"))
     info = _tokenizer_info(run_dir, cfg)
     if cfg.sharding == "fsdp":  # the newest sharded checkpoint, read whole (sharded_checkpoint.py)
-        newest = list_sharded(run_dir / "checkpoints" / "sharded")[-1:]
-        found = (newest[0], load_sharded(newest[0], "replica0", None)) if newest else None
+        directory = run_dir / "checkpoints" / "sharded"
+        newest, problem = newest_intact(list_sharded(directory))
+        if problem:
+            raise CheckpointError(problem)
+        found = (directory / newest, load_sharded(directory / newest, "replica0", None)) if newest else None
     else:
         found = find_resume_state("auto", run_dir / "checkpoints")
     if found is None:

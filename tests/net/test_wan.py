@@ -80,10 +80,31 @@ def test_plan_command_prints_every_method_per_bandwidth(capsys):
     assert [len(b["rows"]) for b in data] == [5, 5]
 
 
+def test_plan_projects_a_configs_run_and_flags_win_over_it(capsys):
+    """`muloco plan CONFIG [KEY=VALUE ...]`: that run's model size, K, H, bits and streaming."""
+    from muloco.cli import _config_params
+    from muloco.config import load_config
+
+    qs = "configs/quickstart.yaml"
+    overrides = ["workers=8", "sync.every=20", "sync.fragments=2", "sync.overlap=1"]
+    args = ["compression.scheme=statistical", "compression.bits=2", "model.preset=small"]
+    assert main(["plan", qs, *overrides, *args, "--step-time-s", "0.1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)[0]["rows"]
+    params = _config_params(load_config(qs, ["model.preset=small"]))
+    by_hand = plan(params, 8, 20, 0.1, Link(100), bits=2, fragments=2, overlap=1)
+    assert [r["total_s"] for r in rows] == pytest.approx([r.total_s for r in by_hand])
+    assert 10e6 < params < 12e6  # the small preset: 10.9M
+    assert main(["plan", qs, "workers=8", "--workers", "2", "--bandwidth-mbps", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "the run of configs/quickstart.yaml workers=8" in out and "workers=2 H=15" in out
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
         (["--params", "lots"], "--params"),
+        (["workers=3"], "need a CONFIG"),
+        (["configs/quickstart.yaml", "workers=abc"], "override 'workers=abc'"),
         (["--bits", "3"], "--bits"),
         (["--overlap", "20", "--fragments", "3"], "--overlap"),
         (["--bandwidth-mbps", "0"], "--bandwidth-mbps"),

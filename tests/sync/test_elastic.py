@@ -14,6 +14,7 @@ from muloco.errors import ConfigError, TrainingError
 from muloco.run.replica import Replica
 from muloco.sync import SyncEngine
 from muloco.sync.codec import pack
+from muloco.sync.digest import state_digest
 from muloco.sync.elastic import ElasticReducer
 from muloco.sync.reduce import Contribution
 
@@ -36,7 +37,10 @@ class FakeGroup:
         self.quorum_id += 1
         self.size = self.current.get("size", 2)
         if self.current.get("heal") is not None:
-            self.load_state(self.current["heal"])
+            try:
+                self.load_state(self.current["heal"])
+            except ValueError as exc:  # torchft_group.form_quorum: a failed heal fails the quorum
+                raise QuorumFailed(str(exc)) from None
 
     def all_reduce_sum(self, flat):
         self.sent.append(flat.clone())
@@ -119,13 +123,17 @@ def test_a_failed_sync_is_retried_in_a_new_quorum_with_the_same_contribution():
     assert engine.reducer.membership.retried_syncs == 1 and engine.reducer.membership.quorum_sizes == [2]
 
 
+def donor_state(engine):
+    """A healthy member's state (global parameters 2.0, no outer momentum), as _serve_state sends it."""
+    tensors = [*(torch.full_like(p, 2.0) for p in engine.global_params)]
+    tensors += [torch.zeros_like(p) for p in engine.global_params]
+    meta = {"step": 8, "outer_steps": 4, "fragment_syncs": 4, "sync_fragment": 0, "sync_apply_step": 8}
+    return {"tensors": tensors, "meta": meta, "digest": state_digest(tensors)}
+
+
 def test_a_worker_behind_adopts_the_quorums_state_and_contributes_nothing():
     engine, replica = engine_and_replica([])
-    donor = {
-        "tensors": [*(torch.full_like(p, 2.0) for p in engine.global_params)]
-        + [torch.zeros_like(p) for p in engine.global_params],
-        "meta": {"step": 8, "outer_steps": 4, "fragment_syncs": 4, "sync_fragment": 0, "sync_apply_step": 8},
-    }
+    donor = donor_state(engine)
     other = [torch.full((2, 3), 0.25), torch.full((2,), 0.25)]
     engine.reducer.group.attempts = [{"others": flat(other, 1, 0), "commit": True, "heal": donor}]
     record = sync(engine, replica)
@@ -141,15 +149,31 @@ def test_a_worker_behind_adopts_the_quorums_state_and_contributes_nothing():
     assert engine.reducer.membership.heals == 1
 
 
+def test_a_heal_whose_state_does_not_match_its_digest_is_refused_and_the_sync_retried():
+    """A state damaged in transfer is never adopted: the quorum fails like a broken transfer, and the
+    worker syncs in the next one with its own state and contribution."""
+    engine, replica = engine_and_replica([])
+    damaged = donor_state(engine)
+    damaged["tensors"][0] = damaged["tensors"][0].clone()
+    damaged["tensors"][0][0, 0] = 2.5  # after the donor computed its digest
+    other = [torch.full((2, 3), 0.1), torch.full((2,), 0.1)]
+    engine.reducer.group.attempts = [
+        {"others": None, "commit": False, "heal": damaged},
+        {"others": flat(other, 1, 0), "commit": True},
+    ]
+    start = [p.clone() for p in engine.global_params]
+    record = sync(engine, replica)
+    assert engine.reducer.membership.retried_syncs == 1 and not record.fields["healed"]
+    for before, after in zip(start, engine.global_params, strict=True):
+        torch.testing.assert_close(after, before - (0.5 + 0.1) / 2)  # its own mean: nothing adopted
+
+
 def test_a_healed_worker_joins_the_quorums_sync_of_another_fragment_at_its_step():
     # Streaming (P = 2, tau = 1): this worker planned fragment 0 at its step 2; the quorum syncs fragment 1
     # at step 6 (blocks "0." and "1." are fragments 0 and 1).
     engine, replica = engine_and_replica([], sync=SyncConfig(every=4, fragments=2, overlap=1))
-    donor_params = [torch.full_like(p, 2.0) for p in engine.global_params]
-    donor = {
-        "tensors": donor_params + [torch.zeros_like(p) for p in engine.global_params],
-        "meta": {"step": 6, "outer_steps": 1, "fragment_syncs": 3, "sync_fragment": 1, "sync_apply_step": 7},
-    }
+    donor = donor_state(engine)
+    donor["meta"].update(step=6, outer_steps=1, fragment_syncs=3, sync_fragment=1, sync_apply_step=7)
     other = [torch.full((2, 2), 0.25), torch.full((2,), 0.25)]  # fragment 1's shapes
     engine.reducer.group.attempts = [{"others": flat(other, 1, 0), "commit": True, "heal": donor}]
     with torch.no_grad():

@@ -4,10 +4,10 @@ swarms: tests/comm/hivemind/, slow.)"""
 
 import torch
 
-from muloco.comm.hivemind.state_sharing import state_digest
 from muloco.config import HivemindBackendConfig, OuterConfig, SyncConfig
 from muloco.run.replica import Replica
 from muloco.sync import Mean, SyncEngine
+from muloco.sync.digest import state_digest
 from muloco.sync.swarm import SwarmReducer, _reference
 
 

@@ -39,7 +39,7 @@ def progress_key(run_id: str) -> str:
 @dataclass(frozen=True)
 class ProgressRecord:
     progress: int  # the peer's fragment syncs
-    digest: bytes  # its global state's digest (state_sharing.state_digest); b"" before its first
+    digest: bytes  # its global state's digest (sync/digest.py, state_digest); b"" before its first
 
 
 def record_problem(auth: SwarmAuth, peer: PeerID, value: object, expiration: float) -> str | None:

@@ -11,7 +11,6 @@ it received: a donor without the swarm key, or one that sends something else tha
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 import time
@@ -27,6 +26,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from muloco.comm.hivemind.auth import SwarmAuth
 from muloco.comm.hivemind.settings import HANDLE_SLACK_S, is_int
 from muloco.comm.hivemind.transfer import CHUNK_BYTES, MESSAGE_OVERHEAD
+from muloco.sync.digest import state_digest
 
 log = logging.getLogger("muloco")
 
@@ -36,17 +36,6 @@ HEADER_LIMIT = 4096  # a header holds three counters, a digest and a tag
 
 def state_handler(run_id: str) -> str:
     return f"muloco_{run_id}_state"
-
-
-def state_digest(tensors: list[torch.Tensor]) -> bytes:
-    """A 16-byte hash of the state's tensors (values, dtypes and shapes): two peers hold the same model
-    exactly when their digests agree."""
-    digest = hashlib.blake2b(digest_size=16)
-    for t in tensors:
-        t = t.detach().cpu().contiguous()
-        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
-    return digest.digest()
 
 
 class StateServer:
