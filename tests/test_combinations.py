@@ -142,8 +142,14 @@ API_CASES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("K", [2, 3])
+# K = 3, where compressed syncs crashed on hivemind and torchft (issue 40) and where `auto` first picks
+# reduce_scatter on torch. K = 2 runs in the simulation cases above, and over processes in each backend's own
+# tests (test_torch_dist, test_hivemind_training, test_torchft) and the K2xR2 case below; here it cost 67 s
+# of the suite.
+@pytest.mark.parametrize("K", [3])
 @pytest.mark.parametrize("backend", ["torch", "hivemind", "torchft"])
+# Time (hivemind ~50 s, torch ~27 s, torchft ~20 s): one set of K processes per backend runs every case
+# one after another (combo_rank.py), so processes start once per backend, not once per case.
 def test_every_backend_at_the_defaults(tmp_path, backend, K):
     pytest.importorskip({"torch": "torch", "hivemind": "hivemind", "torchft": "torchft"}[backend])
     backend_extra = {

@@ -80,6 +80,8 @@ def test_three_peers_average_every_sync_and_stay_equal(tmp_path, TINY, compressi
     assert all(s["bytes_sent_per_worker"] > 0 for s in summaries)
 
 
+# Time (~27 s): the survivors' bound is the claim: they must wait out one averaging_timeout (5 s) after the
+# kill, on top of a 3-peer swarm's start-up.
 def test_a_killed_peer_costs_the_others_at_most_a_timeout(tmp_path, TINY):
     overrides = [*common(tmp_path, TINY, total_tokens=9216), "backend.hivemind.averaging_timeout=5"]
     launcher = start_muloco("launch", "--nproc", 3, "--backend", "hivemind", QS, *overrides)
@@ -112,6 +114,8 @@ def test_a_killed_peer_costs_the_others_at_most_a_timeout(tmp_path, TINY):
     assert_same_global_params(tmp_path / "swarm-peer0", tmp_path / "swarm-peer1")
 
 
+# Time (~47 s): the swarm must still be running when the joiner arrives (20 syncs), and the other run_id's
+# 4 syncs each wait out a matchmaking deadline with no group.
 def test_a_late_joiner_catches_up_and_another_run_id_never_mixes(tmp_path, TINY):
     overrides = common(tmp_path, TINY, total_tokens=23040)  # 20 syncs; groups of up to 3
     launcher = start_muloco("launch", "--nproc", 2, "--backend", "hivemind", QS, *overrides)

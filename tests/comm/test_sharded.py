@@ -81,6 +81,7 @@ def launch(nproc: int, *overrides: str, timeout: float = 300):
     ],
     ids=["adamw", "muon-4bit-ef-streaming"],
 )
+# Time (~22 s a case): two launches of 4 processes (fsdp and replicate), compared tensor by tensor.
 def test_fsdp_workers_equal_replicated_workers(tmp_path, TINY, extra):
     """K = 2 workers x R = 2 ranks, 3 outer steps: the same global parameters either way (to rounding:
     test_helpers.ROUNDING_REL), and each rank of a sharded worker holds and sends about half of what a
@@ -110,6 +111,8 @@ def test_fsdp_workers_equal_replicated_workers(tmp_path, TINY, extra):
 
 
 @pytest.mark.slow
+# Time (~61 s): five launches (the reference, the killed run, its resume, the refused other sharding, the
+# R = 1 resume), four of 4 processes; each is a claim of its own and needs its own processes.
 def test_sharded_checkpoints_resume_bitwise_after_a_kill_and_with_fewer_ranks(tmp_path, TINY):
     """A: the reference run. D: the same run, one rank SIGKILLed after its second checkpoint, then
     resumed (auto): the newest complete checkpoint, and the end bitwise A's. C: A's step-6 checkpoint

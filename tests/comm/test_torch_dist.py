@@ -57,6 +57,7 @@ STAT4_EF_RS = [*STAT4_EF, "sync.transport=reduce_scatter"]
     ],
     ids=["adamw-fp32", "muon-fp32", "muon-statistical4-ef", "muon-statistical4-ef-reduce-scatter"],
 )
+# Time (~16 s a case): the simulation in-process, then launches of 4 and of 2 processes.
 def test_simulation_equals_4x1_and_2x2_processes(tmp_path, TINY, inner, compression, rtol):
     common = [
         *TINY,
@@ -171,6 +172,7 @@ def test_mismatched_configs_across_ranks_stop_with_a_clear_message(tmp_path, TIN
         assert "config differs across ranks" in err and "Traceback" not in err
 
 
+# Time (~19 s): a run killed mid-way (after a checkpoint), a torn and a planted checkpoint, and the resume.
 def test_killed_rank_stops_the_launcher_and_resume_completes(tmp_path, TINY):
     overrides = [
         *TINY,

@@ -54,6 +54,7 @@ def common(tmp_path, TINY, outer_steps=8, every=3):
     ],
     ids=["adamw-fp32", "muon-fp32", "muon-statistical4-ef", "adamw-streaming"],
 )
+# Time (~18 s a case): a torchft launch (lighthouse, 3 workers) and the torch launch it must equal.
 def test_three_workers_equal_the_torch_backend(tmp_path, TINY, inner, compression, rtol):
     overrides = [*common(tmp_path, TINY), f"inner.optimizer={inner}", *compression]
     ft = run_muloco(
@@ -125,6 +126,8 @@ def test_a_killed_worker_does_not_stop_the_others(tmp_path, TINY, sync):
 
 
 @pytest.mark.parametrize("sync", [[], STREAMING], ids=["whole-model", "streaming"])
+# Time (~24 s a case): the lighthouse must drop the victim (heartbeat_timeout_s=15, the margin a
+# replacement needs to start on 2 busy cores) before the survivors' quorum lets the replacement join.
 def test_a_restarted_worker_recovers_the_state_live_and_ends_equal(tmp_path, TINY, sync):
     # The lighthouse drops the victim after the heartbeat timeout; its replacement, started at once,
     # heartbeats before that, so the survivors' next quorum waits for it (the join timeout): it joins then.
@@ -168,6 +171,7 @@ TWO_RANKS = [
 ]
 
 
+# Time (~24 s): a torchft launch of 2 workers x 2 ranks and the torch launch it must equal.
 def test_workers_of_two_ranks_equal_the_torch_backend(tmp_path, TINY):
     overrides = [*TINY, *TWO_RANKS, f"run.output_dir={tmp_path}"]
     ft = run_muloco(
@@ -184,6 +188,7 @@ def test_workers_of_two_ranks_equal_the_torch_backend(tmp_path, TINY):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+# Time (~29 s): as the restarted-worker test, with workers of 2 ranks (5 processes and a lighthouse).
 def test_a_worker_of_two_ranks_that_loses_one_is_reported_and_rejoins_live(tmp_path, TINY):
     overrides = [*TINY, *TWO_RANKS, f"run.output_dir={tmp_path}", "backend.torchft.heartbeat_timeout_s=15"]
     launcher = start_muloco("launch", "--nproc", 4, "--backend", "torchft", QS, *overrides, "run.name=ft")

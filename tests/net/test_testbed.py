@@ -206,6 +206,8 @@ TINY_WAN = [
 
 @pytest.mark.slow
 @needs_netns
+# Time (~38 s): DDP and MuLoCo each over a 20 Mbit/s link between network namespaces: DDP's all-reduce at
+# every step is the slow side the test measures.
 def test_muloco_sends_less_and_waits_less_than_ddp_over_a_slow_link(tmp_path):
     rate = 20.0  # Mbit/s: a DDP step's 3.4 MB all-reduce takes ~1.4 s, far above its compute
     config = str(ROOT / "configs/quickstart.yaml")
@@ -273,6 +275,7 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
 
 @pytest.mark.slow
 @needs_netns
+# Time (~25 s): a kill, the lighthouse's heartbeat timeout and a live rejoin over rate-limited links.
 def test_torchft_workers_on_separate_hosts_survive_a_death_and_rejoin_live(tmp_path):
     """Three torchft workers on hosts of their own, the lighthouse on host 0. Every address a worker
     advertises (its manager, store and state server: backend.torchft.hostname) is its host's, so the

@@ -73,8 +73,11 @@ def run_swarm(honest: int, overrides: list[str], identities: Path, key: Path, ro
             start(
                 f"peer{i}", i, [*join, *auth, f"backend.hivemind.identity_path={identities / f'peer{i}.id'}"]
             )
-        for p in processes.values():
-            p.wait(timeout=RUN_S)
+        # The honest peers' runs are what the tests judge; a rogue without the key cannot sync and would
+        # go on alone through its averaging timeouts (~85 s): it is ended once the honest peers are done.
+        for name, p in processes.items():
+            if name != "rogue":
+                p.wait(timeout=RUN_S)
     finally:
         for p in processes.values():
             p.kill()
@@ -85,7 +88,7 @@ def run_swarm(honest: int, overrides: list[str], identities: Path, key: Path, ro
     for name, p in processes.items():
         output_dir = next(o for o in overrides if o.startswith("run.output_dir=")).split("=", 1)[1]
         Path(output_dir, f"{name}.log").write_text(logs[name])  # kept for a failure's diagnosis
-        assert p.returncode == 0, f"{name}: " + logs[name][-3000:]
+        assert name == "rogue" or p.returncode == 0, f"{name}: " + logs[name][-3000:]
     return logs
 
 
@@ -102,6 +105,8 @@ def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+# Time (~33 s): two swarms of 3 (the reference and the attacked one, same peer ids: compared bitwise) and
+# the intruder; it is ended once the honest peers finish (run_swarm).
 def test_an_intruder_without_the_key_changes_nothing_and_is_named(tmp_path, TINY):
     """The intruder knows the run_id and the peers' addresses; it (a) tries to join groups and contribute a
     poisoned pseudogradient (-5 x its own, under the norm bound), (b) serves its own state to anyone who
@@ -164,6 +169,8 @@ def simulated_val_loss(tmp_path: Path, TINY: list[str], name: str, extra: list[s
         Replica.pseudogradient = honest_pseudogradient
 
 
+# Time (~58 s on 2 cores): two swarms of 5 processes (trimmed_mean, then mean: the contrast is the claim)
+# and three in-process simulations; K = 5 is the smallest swarm where trimming one of each end leaves 3.
 def test_an_insider_is_contained_by_trimmed_mean_and_not_by_the_mean(tmp_path, TINY):
     """The insider holds the key (auth cannot stop it). Every group is all 5 peers, so the swarm computes
     what the simulation computes: trimmed_mean sorts each coordinate's values, so it is the simulation's
