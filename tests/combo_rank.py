@@ -1,6 +1,8 @@
-"""One process of a combination test (test_combinations.py): it runs every case of a plan in turn as
-`muloco train`, in this one interpreter, so torch, hivemind and torchft are imported once per rank rather
-than once per case. Each case is wired as `muloco launch --backend B` wires its processes:
+"""One rank of a set of processes that runs every case of a plan in turn as `muloco train`, in this one
+interpreter, so torch, hivemind and torchft are imported once per rank rather than once per case
+(test_helpers.run_combo_ranks: the combination tests, and the equality tests of test_torch_dist,
+test_torchft, test_topology and test_sharded). Each case is wired as `muloco launch --backend B` wires
+its processes:
 
 - torch: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (a port per case, chosen by the test);
 - hivemind: rank 0 starts the case's swarm and writes the multiaddrs it logs ("join with

@@ -13,21 +13,18 @@ multi-process cases of one backend and K run in one set of processes (combo_rank
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import TINY
-from test_helpers import run_muloco
+from test_helpers import combo_run_dirs, run_combo_ranks, run_muloco
 
 from muloco.cli import main as muloco_main
 from muloco.net.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QS = str(ROOT / "configs/quickstart.yaml")
-RANK_SCRIPT = Path(__file__).resolve().parent / "combo_rank.py"
 
 COMPRESSIONS = {
     "fp32": [],
@@ -94,40 +91,6 @@ def test_simulation_batched_as_on_cuda(tmp_path, compression, fragments):
     assert batched["final_val_loss"] == pytest.approx(sequential["final_val_loss"], rel=1e-5)
 
 
-def run_ranks(backend: str, K: int, cases: list[dict], tmp_path: Path, timeout: float) -> None:
-    """K processes of combo_rank.py over the cases; every process ends with the test (killed on timeout)."""
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"config": QS, "cases": cases}))
-    rendezvous = tmp_path / "rendezvous"
-    rendezvous.mkdir()
-    logs = [tmp_path / f"rank{r}.log" for r in range(K)]
-    procs = []
-    try:
-        for r in range(K):
-            with open(logs[r], "w") as log:
-                cmd = [sys.executable, "-X", "faulthandler", str(RANK_SCRIPT), backend, str(r), str(K)]
-                procs.append(subprocess.Popen([*cmd, str(plan), str(rendezvous)], stdout=log, stderr=log))
-        for proc in procs:
-            proc.wait(timeout=timeout)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-    for case in cases:
-        for r in range(K):
-            rc = rendezvous / f"{case['name']}.rank{r}.rc"
-            code = rc.read_text() if rc.exists() else "no exit code"
-            assert code == "0", f"{case['name']} rank {r}: {code}\n{logs[r].read_text()[-4000:]}"
-
-
-def run_dirs(backend: str, name: str, tmp_path: Path, K: int) -> list[Path]:
-    if backend == "torch":
-        return [tmp_path / name]  # one run directory for the world (rank 0 writes summary.json)
-    suffix = "peer" if backend == "hivemind" else "worker"
-    return [tmp_path / f"{name}-{suffix}{r}" for r in range(K)]
-
-
 API_MODEL = {"preset": "nano", "d_model": 64, "n_layers": 2, "n_heads": 2, "seq_len": 32}
 API_CASES = {
     "api-stat4-streaming": {
@@ -169,9 +132,9 @@ def test_every_backend_at_the_defaults(tmp_path, backend, K):
         cases += [
             {"name": n, "api": {**a, "model": API_MODEL}, "port": free_port()} for n, a in API_CASES.items()
         ]
-    run_ranks(backend, K, cases, tmp_path, timeout=420)
+    run_combo_ranks(backend, K, cases, tmp_path, QS, timeout=420)
     for c, f in CASES:
-        for run_dir in run_dirs(backend, f"{c}-{f}", tmp_path, K):
+        for run_dir in combo_run_dirs(backend, f"{c}-{f}", tmp_path, K):
             check_summary(run_dir, backend, K, c, f)
     for name, api in API_CASES.items():
         if backend == "torchft":
@@ -200,7 +163,7 @@ def test_workers_of_two_ranks_at_the_defaults(tmp_path, backend, nproc, K):
     args.append("train.micro_batch_tokens=32")  # a micro-batch per rank of the worker
     result = run_muloco("launch", "--nproc", nproc, "--backend", backend, QS, *args, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    for run_dir in run_dirs(backend, "r2", tmp_path, K):
+    for run_dir in combo_run_dirs(backend, "r2", tmp_path, K):
         check_summary(run_dir, backend, K, "stat4", "streaming")
 
 

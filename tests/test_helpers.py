@@ -159,3 +159,48 @@ def run_rank_scripts(script: str, world_size: int, out: Path, timeout: float) ->
         if p.returncode != 0
     ]
     assert not failed, "\n".join(failed)
+
+
+COMBO_RANK = Path(__file__).resolve().parent / "combo_rank.py"
+
+
+def run_combo_ranks(
+    backend: str, K: int, cases: list[dict], tmp_path: Path, config: str, timeout: float
+) -> None:
+    """K processes of combo_rank.py, each running every case in turn as a rank of `backend` (torch, hivemind
+    and torchft imported once per process, not once per case); tmp_path holds the plan, rendezvous and logs.
+    Every process ends with the test (killed on timeout); a case that failed on a rank fails here."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"config": config, "cases": cases}))
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    logs = [tmp_path / f"rank{r}.log" for r in range(K)]
+    # Each process its share of the cores, as `muloco launch` gives it (torch's default oversubscribes).
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // K)), **os.environ}
+    procs = []
+    try:
+        for r in range(K):
+            with open(logs[r], "w") as log:
+                cmd = [sys.executable, "-X", "faulthandler", str(COMBO_RANK), backend, str(r), str(K)]
+                args = [*cmd, str(plan), str(rendezvous)]
+                procs.append(subprocess.Popen(args, stdout=log, stderr=log, env=env))
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    for case in cases:
+        for r in range(K):
+            rc = rendezvous / f"{case['name']}.rank{r}.rc"
+            code = rc.read_text() if rc.exists() else "no exit code"
+            assert code == "0", f"{case['name']} rank {r}: {code}\n{logs[r].read_text()[-4000:]}"
+
+
+def combo_run_dirs(backend: str, name: str, tmp_path: Path, K: int) -> list[Path]:
+    """A combo case's run directories: one for torch's world, one per hivemind peer or torchft worker."""
+    if backend == "torch":
+        return [tmp_path / name]  # one run directory for the world (rank 0 writes summary.json)
+    suffix = "peer" if backend == "hivemind" else "worker"
+    return [tmp_path / f"{name}-{suffix}{r}" for r in range(K)]

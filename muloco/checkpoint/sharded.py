@@ -77,21 +77,26 @@ def _targets(skeleton: Any, mesh, flat: dict[str, Any]) -> None:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor import zeros as dtensor_zeros
 
+    def rows(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return dtensor_zeros(shape, dtype=dtype, device_mesh=mesh, placements=[Shard(0)])
+
+    _fill_targets(skeleton, rows if mesh is not None else None, flat)
+
+
+def _fill_targets(skeleton: Any, rows, flat: dict[str, Any]) -> None:
     if _is_record(skeleton):
         dtype = getattr(torch, skeleton["dtype"].removeprefix("torch."))
         shape = skeleton["shape"]
-        if skeleton["sharded"] and mesh is not None:
-            flat[skeleton["__tensor__"]] = dtensor_zeros(
-                shape, dtype=dtype, device_mesh=mesh, placements=[Shard(0)]
-            )
+        if skeleton["sharded"] and rows is not None:
+            flat[skeleton["__tensor__"]] = rows(shape, dtype)
         else:
             flat[skeleton["__tensor__"]] = torch.zeros(shape, dtype=dtype, device="cpu")
     elif isinstance(skeleton, dict):
         for v in skeleton.values():
-            _targets(v, mesh, flat)
+            _fill_targets(v, rows, flat)
     elif isinstance(skeleton, list | tuple):
         for v in skeleton:
-            _targets(v, mesh, flat)
+            _fill_targets(v, rows, flat)
 
 
 def _rebuild(skeleton: Any, flat: dict[str, Any]) -> Any:
@@ -154,25 +159,14 @@ def save_sharded(
     return final
 
 
-def save_worker_shards(
-    state: dict[str, Any],
-    directory: Path,
-    step: int,
-    keep: int,
-    backend: Backend,
-    worker: Backend,
-    prefix: str,
-    is_lead: bool,
-    info: dict[str, Any],
-) -> Path:
-    """save_sharded for a worker of R ranks: the lead writes the state that is the same on its ranks, so
-    the ranks' RNG states go along as a list (`state["rng"]` becomes {"by_rank": [...]}). A collective of
-    every rank of the run."""
+def with_ranks_rng(state: dict[str, Any], worker: Backend) -> dict[str, Any]:
+    """The state a worker of R ranks saves with save_sharded: the lead writes the state that is the same on
+    its ranks, so the ranks' RNG states go along as a list (`state["rng"]` becomes {"by_rank": [...]}). A
+    collective of the worker's ranks."""
     buffer = io.BytesIO()
     torch.save(state["rng"], buffer)
     blobs = worker.all_gather_bytes(buffer.getvalue()).wait()
-    state["rng"] = {"by_rank": [torch.load(io.BytesIO(b), weights_only=True) for b in blobs]}
-    return save_sharded(state, directory, step, keep, backend, prefix, is_lead, info)
+    return {**state, "rng": {"by_rank": [torch.load(io.BytesIO(b), weights_only=True) for b in blobs]}}
 
 
 def _file_digest(path: Path) -> str:
@@ -201,13 +195,7 @@ def verify_digests(path: Path) -> None:
     if not (path / DIGESTS).exists():
         log.warning("sharded checkpoint %s has no %s (an older muloco wrote it): not checked", path, DIGESTS)
         return
-    try:
-        digests = json.loads((path / DIGESTS).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(
-            f"sharded checkpoint {path} has no readable {DIGESTS} ({type(exc).__name__}); set "
-            "checkpoint.resume=never or name another step"
-        ) from None
+    digests = _read_json(path, DIGESTS)
     for name, expected in sorted(digests.items()):
         file = path / name
         if not file.is_file() or _file_digest(file) != expected:
@@ -217,15 +205,20 @@ def verify_digests(path: Path) -> None:
             )
 
 
-def read_info(path: Path) -> dict[str, Any]:
-    """The checkpoint's INFO (no collective: every rank reads the same file)."""
+def _read_json(path: Path, name: str) -> dict[str, Any]:
+    """One of the checkpoint's JSON files (INFO, DIGESTS); unreadable is a CheckpointError."""
     try:
-        info = json.loads((path / INFO).read_text())
+        return json.loads((path / name).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(
-            f"sharded checkpoint {path} has no readable {INFO} ({type(exc).__name__}); set "
+            f"sharded checkpoint {path} has no readable {name} ({type(exc).__name__}); set "
             "checkpoint.resume=never or name another step"
         ) from None
+
+
+def read_info(path: Path) -> dict[str, Any]:
+    """The checkpoint's INFO (no collective: every rank reads the same file)."""
+    info = _read_json(path, INFO)
     if info.get("format") != FORMAT_VERSION:
         raise CheckpointError(
             f"sharded checkpoint {path} has format {info.get('format')}, this muloco reads "

@@ -22,7 +22,7 @@ import torch
 from torch.profiler import record_function
 
 from muloco.checkpoint.plain import save_checkpoint
-from muloco.checkpoint.sharded import save_worker_shards
+from muloco.checkpoint.sharded import save_sharded, with_ranks_rng
 from muloco.comm import Backend, build_backend, means_over_processes
 from muloco.comm.sharding import layout_free_fingerprint
 from muloco.comm.topology import build_topology
@@ -313,10 +313,10 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Val loss of the global parameters (evaluate.py)."""
-        global_params = self.engine.global_params if self.engine is not None else None
+        # Streaming: the replicas hold fragments at different rounds, so the global parameters are evaluated.
         streaming = self.engine is not None and self.cfg.sync.streaming
-        args = (self.val_set, self.device, self.autocast)
-        val_loss = evaluate_global(self.replicas[0], global_params if streaming else None, *args)
+        global_params = self.engine.global_params if streaming else None
+        val_loss = evaluate_global(self.replicas[0], global_params, self.val_set, self.device, self.autocast)
         self.progress.val_losses.append([self.progress.steps, val_loss])
         self._log("eval", val_loss=val_loss)
         return val_loss
@@ -368,8 +368,8 @@ class Trainer:
         """A collective of every rank (checkpoint/sharded.py)."""
         info = {"layout_fingerprint": layout_free_fingerprint(self.cfg), "workers": self.cfg.workers}
         prefix, topology = f"replica{self.local_indices[0]}", self.topology
-        args = (self.backend, topology.worker, prefix, topology.is_lead, info)
-        return save_worker_shards(state, self.checkpoint_dir, step, keep, *args)
+        state, lead = with_ranks_rng(state, topology.worker), topology.is_lead
+        return save_sharded(state, self.checkpoint_dir, step, keep, self.backend, prefix, lead, info)
 
     def write_summary(self, status: str) -> dict[str, Any]:
         """summary.json (summary.py): the config's key figures and every component's summary."""

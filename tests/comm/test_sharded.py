@@ -10,11 +10,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from test_helpers import assert_equal_up_to_rounding, run_muloco, start_muloco
+from conftest import TINY
+from test_helpers import assert_equal_up_to_rounding, run_combo_ranks, run_muloco, start_muloco
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
 from muloco.checkpoint.sharded import list_sharded
+from muloco.net.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 QS = str(ROOT / "configs/quickstart.yaml")
@@ -57,45 +59,58 @@ def launch(nproc: int, *overrides: str, timeout: float = 300):
     return result
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "extra",
-    [
-        ["inner.optimizer=adamw"],
-        # Sharded Muon (fp32 Newton-Schulz), 4-bit row-wise messages with error feedback per shard, and
-        # streaming (2 fragments, each applied tau = 1 step after it starts). Bitwise-equal gradients, as
-        # rounding to 16 levels turns a last-bit difference into a whole step: no clipping (its norm
-        # summed over shards rounds otherwise than over whole tensors) and one micro-batch per rank (a
-        # sharded rank reduce-scatters every micro-batch's gradients, a replicated one sums them first).
-        [
-            "inner.ns_dtype=fp32",
-            "compression.scheme=linear",
-            "compression.bits=4",
-            "compression.error_feedback=true",
-            "train.grad_clip=0",
-            "train.micro_batch_tokens=256",  # one micro-batch per rank: each gradient summed once
-            "sync.every=4",
-            "sync.fragments=2",
-            "sync.overlap=1",
-        ],
+# Each case's overrides beside the common ones.
+SHARDING_CASES = {
+    "adamw": ["inner.optimizer=adamw"],
+    # Sharded Muon (fp32 Newton-Schulz), 4-bit row-wise messages with error feedback per shard, and
+    # streaming (2 fragments, each applied tau = 1 step after it starts). Bitwise-equal gradients, as
+    # rounding to 16 levels turns a last-bit difference into a whole step: no clipping (its norm
+    # summed over shards rounds otherwise than over whole tensors) and one micro-batch per rank (a
+    # sharded rank reduce-scatters every micro-batch's gradients, a replicated one sums them first).
+    "muon-4bit-ef-streaming": [
+        "inner.ns_dtype=fp32",
+        "compression.scheme=linear",
+        "compression.bits=4",
+        "compression.error_feedback=true",
+        "train.grad_clip=0",
+        "train.micro_batch_tokens=256",  # one micro-batch per rank: each gradient summed once
+        "sync.every=4",
+        "sync.fragments=2",
+        "sync.overlap=1",
     ],
-    ids=["adamw", "muon-4bit-ef-streaming"],
-)
-# Time (~22 s a case): two launches of 4 processes (fsdp and replicate), compared tensor by tensor.
-def test_fsdp_workers_equal_replicated_workers(tmp_path, TINY, extra):
+}
+
+
+@pytest.fixture(scope="module")
+def sharding_runs(tmp_path_factory) -> Path:
+    """Every case with replicated and with sharded ranks (K = 2 workers x R = 2), in one set of 4 processes
+    (combo_rank.py, wired as `muloco launch` wires them): torch starts once, not 4 times."""
+    directory = tmp_path_factory.mktemp("sharding")
+    cases = []
+    for name, extra in SHARDING_CASES.items():
+        args = [*common(directory, TINY), *extra, "ranks_per_worker=2"]
+        cases.append({"name": f"{name}-replicate", "overrides": args, "port": free_port()})
+        cases.append({"name": f"{name}-fsdp", "overrides": [*args, "sharding=fsdp"], "port": free_port()})
+    (directory / "ranks").mkdir()
+    run_combo_ranks("torch", 4, cases, directory / "ranks", QS, timeout=420)
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SHARDING_CASES))
+def test_fsdp_workers_equal_replicated_workers(sharding_runs, case):
     """K = 2 workers x R = 2 ranks, 3 outer steps: the same global parameters either way (to rounding:
     test_helpers.ROUNDING_REL), and each rank of a sharded worker holds and sends about half of what a
     replicated lead does."""
-    args = [*common(tmp_path, TINY), *extra, "ranks_per_worker=2"]
-    launch(4, *args, "run.name=replicate")
-    launch(4, *args, "sharding=fsdp", "run.name=fsdp")
-    replicated = load_checkpoint(list_checkpoints(tmp_path / "replicate" / "checkpoints")[-1])
+    extra = SHARDING_CASES[case]
+    replicate, sharded = sharding_runs / f"{case}-replicate", sharding_runs / f"{case}-fsdp"
+    replicated = load_checkpoint(list_checkpoints(replicate / "checkpoints")[-1])
     expected = replicated["engine"]["outer"]["params"]
-    for copy in sharded_global_params(tmp_path / "fsdp"):
+    for copy in sharded_global_params(sharded):
         for a, b in zip(expected, copy, strict=True):
             assert_equal_up_to_rounding(b, a)
-    fsdp = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
-    rep = json.loads((tmp_path / "replicate" / "summary.json").read_text())
+    fsdp = json.loads((sharded / "summary.json").read_text())
+    rep = json.loads((replicate / "summary.json").read_text())
     assert fsdp["sharding"] == "fsdp" and fsdp["outer_steps"] == rep["outer_steps"] >= 3
     assert fsdp["final_val_loss"] == pytest.approx(rep["final_val_loss"], rel=1e-5)
     # The worker sends what a replicated lead sends (compressed: plus a header per shard's message) ...

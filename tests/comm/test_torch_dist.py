@@ -12,7 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from test_helpers import run_muloco, start_muloco
+from conftest import TINY
+from test_helpers import run_combo_ranks, run_muloco, start_muloco
 
 from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
 from muloco.config import load_config
@@ -42,93 +43,95 @@ STAT4_EF = ["compression.scheme=statistical", "compression.bits=4", "compression
 STAT4_EF_RS = [*STAT4_EF, "sync.transport=reduce_scatter"]
 
 
-@pytest.mark.parametrize(
-    "inner, compression, rtol",
-    [
-        # fp32 all-reduce: gloo sums (d0 + d1) + (d2 + d3), the simulation ((d0 + d1) + d2) + d3.
-        ("adamw", [], 1e-6),
-        # Muon with fp32 Newton-Schulz. (In bf16, the default on this CPU, the ~1e-9 all-reduce rounding
-        # difference flips bf16 roundings and grows to ~1e-2 relative after the next round.)
-        ("muon", ["inner.ns_dtype=fp32"], 1e-6),
-        # Compressed: every process decodes every replica's payload in replica order, as the simulation.
-        ("muon", [*STAT4_EF, "sync.transport=all_gather"], 0.0),
-        # Reduce-scatter: the owners' means are all-gathered and decoded by every process.
-        ("muon", STAT4_EF_RS, 0.0),
-    ],
-    ids=["adamw-fp32", "muon-fp32", "muon-statistical4-ef", "muon-statistical4-ef-reduce-scatter"],
-)
-# Time (~16 s a case): the simulation in-process, then launches of 4 and of 2 processes.
-def test_simulation_equals_4x1_and_2x2_processes(tmp_path, TINY, inner, compression, rtol):
-    common = [
-        *TINY,
-        *compression,
-        f"inner.optimizer={inner}",
-        "method=diloco",
-        "workers=4",
-        "train.batch_tokens=512",
-        "train.total_tokens=3072",
-        "sync.every=3",
-        f"run.output_dir={tmp_path}",
-    ]
-    sim = Trainer(load_config(QS, [*common, "run.name=sim"]))
+# Each case's overrides and its tolerance against the simulation.
+SIMULATION_CASES = {
+    # fp32 all-reduce: gloo sums (d0 + d1) + (d2 + d3), the simulation ((d0 + d1) + d2) + d3.
+    "adamw-fp32": (["inner.optimizer=adamw"], 1e-6),
+    # Muon with fp32 Newton-Schulz. (In bf16, the default on this CPU, the ~1e-9 all-reduce rounding
+    # difference flips bf16 roundings and grows to ~1e-2 relative after the next round.)
+    "muon-fp32": (["inner.optimizer=muon", "inner.ns_dtype=fp32"], 1e-6),
+    # Compressed: every process decodes every replica's payload in replica order, as the simulation.
+    "muon-statistical4-ef": (["inner.optimizer=muon", *STAT4_EF, "sync.transport=all_gather"], 0.0),
+    # Reduce-scatter: the owners' means are all-gathered and decoded by every process.
+    "muon-statistical4-ef-reduce-scatter": (["inner.optimizer=muon", *STAT4_EF_RS], 0.0),
+}
+
+
+STREAMING_CASES = {
+    "streaming-adamw-fp32": (["inner.optimizer=adamw"], 1e-6),
+    "streaming-muon-statistical4-ef": (["inner.ns_dtype=fp32", *STAT4_EF], 0.0),
+    "streaming-muon-statistical4-ef-reduce-scatter": (["inner.ns_dtype=fp32", *STAT4_EF_RS], 0.0),
+}
+
+
+def streaming_common(output_dir: Path, extra: list[str]) -> list[str]:
+    K2 = ["workers=2", "train.batch_tokens=512", "train.total_tokens=7168"]
+    streaming = ["sync.every=4", "sync.fragments=2", "sync.overlap=1", "sync.alpha=0.5"]
+    return [*TINY, *extra, *K2, *streaming, f"run.output_dir={output_dir}"]
+
+
+def simulation_common(output_dir: Path, extra: list[str]) -> list[str]:
+    K4 = ["method=diloco", "workers=4", "train.batch_tokens=512", "train.total_tokens=3072", "sync.every=3"]
+    return [*TINY, *extra, *K4, f"run.output_dir={output_dir}"]
+
+
+@pytest.fixture(scope="module")
+def process_runs(tmp_path_factory) -> Path:
+    """Every SIMULATION_CASES case over 4 processes (4 x 1 replica) and over 2 (2 x 2), and every
+    STREAMING_CASES case over 2, in one set of processes per world size (combo_rank.py, wired as `muloco
+    launch` wires them): torch starts twice, not 11 times."""
+    directory = tmp_path_factory.mktemp("processes")
+    for nproc in (4, 2):
+        overrides = {name: simulation_common(directory, x) for name, (x, _) in SIMULATION_CASES.items()}
+        if nproc == 2:
+            overrides |= {name: streaming_common(directory, x) for name, (x, _) in STREAMING_CASES.items()}
+        cases = [{"name": f"{n}-p{nproc}", "overrides": o, "port": free_port()} for n, o in overrides.items()]
+        (directory / f"ranks{nproc}").mkdir()
+        run_combo_ranks("torch", nproc, cases, directory / f"ranks{nproc}", QS, timeout=300)
+    return directory
+
+
+@pytest.mark.parametrize("case", list(SIMULATION_CASES))
+def test_simulation_equals_4x1_and_2x2_processes(tmp_path, process_runs, case):
+    extra, rtol = SIMULATION_CASES[case]
+    sim = Trainer(load_config(QS, [*simulation_common(tmp_path, extra), "run.name=sim"]))
     sim.run()
     expected = [p.clone() for p in sim.engine.outer.params]
     for nproc in (4, 2):
-        result = launch(nproc, [*common, f"run.name=p{nproc}"])
-        assert result.returncode == 0, result.stderr[-3000:]
+        run_dir = process_runs / f"{case}-p{nproc}"
         # Every rank holds the same global parameters (each checkpoints its own engine).
         for rank_dir in ["", *(f"rank{r}" for r in range(1, nproc))]:
-            got = final_global_params(tmp_path / f"p{nproc}", rank_dir)
+            got = final_global_params(run_dir, rank_dir)
             assert len(got) == len(expected)
             for a, b in zip(expected, got, strict=True):
                 if rtol == 0:
                     assert torch.equal(a, b), (a - b).abs().max()
                 else:
                     assert torch.allclose(a, b, rtol=rtol, atol=rtol * 0.1), (a - b).abs().max()
-        summary = json.loads((tmp_path / f"p{nproc}" / "summary.json").read_text())
+        summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["outer_steps"] == 2 and summary["workers"] == 4
         # The logged train loss is the mean over all K replicas, whichever process hosts them.
-        losses = [sync_losses(tmp_path / name) for name in ("sim", f"p{nproc}")]
+        losses = [sync_losses(sim.run_dir), sync_losses(run_dir)]
         assert losses[0] == pytest.approx(losses[1], rel=1e-4)
         assert (
             summary["bytes_sent_per_worker"]
             == json.loads((sim.run_dir / "summary.json").read_text())["bytes_sent_per_worker"]
         )
     # Each rank kept its own replicas' state.
-    assert list_checkpoints(tmp_path / "p2" / "checkpoints" / "rank1")
+    assert list_checkpoints(process_runs / f"{case}-p2" / "checkpoints" / "rank1")
 
 
-@pytest.mark.parametrize(
-    "extra, rtol",
-    [
-        (["inner.optimizer=adamw"], 1e-6),
-        (["inner.ns_dtype=fp32", *STAT4_EF], 0.0),
-        (["inner.ns_dtype=fp32", *STAT4_EF_RS], 0.0),
-    ],
-    ids=["adamw-fp32", "muon-statistical4-ef", "muon-statistical4-ef-reduce-scatter"],
-)
-def test_streaming_over_processes_equals_the_simulation(tmp_path, TINY, extra, rtol):
+@pytest.mark.parametrize("case", list(STREAMING_CASES))
+def test_streaming_over_processes_equals_the_simulation(tmp_path, process_runs, case):
     """Streaming (P = 2, tau = 1, alpha = 0.5): the torch backend starts each fragment's collective, keeps
     training one step and only then waits; the result equals the simulation's logically completed syncs."""
-    common = [
-        *TINY,
-        *extra,
-        "workers=2",
-        "train.batch_tokens=512",
-        "train.total_tokens=7168",
-        "sync.every=4",
-        "sync.fragments=2",
-        "sync.overlap=1",
-        "sync.alpha=0.5",
-        f"run.output_dir={tmp_path}",
-    ]
-    sim = Trainer(load_config(QS, [*common, "run.name=sim"]))
+    extra, rtol = STREAMING_CASES[case]
+    sim = Trainer(load_config(QS, [*streaming_common(tmp_path, extra), "run.name=sim"]))
     sim.run()
-    result = launch(2, [*common, "run.name=p2"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    for a, b in zip(sim.engine.outer.params, final_global_params(tmp_path / "p2"), strict=True):
+    run_dir = process_runs / f"{case}-p2"
+    for a, b in zip(sim.engine.outer.params, final_global_params(run_dir), strict=True):
         torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * 0.1)
-    summary = json.loads((tmp_path / "p2" / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["fragment_syncs"] == sim.progress.fragment_syncs
     assert (
         summary["peak_bytes_per_sync"]
@@ -302,35 +305,50 @@ def test_torchrun_works_with_the_local_backend_config(tmp_path, TINY):
     assert list_checkpoints(tmp_path / "trun" / "checkpoints" / "rank1")
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [["inner.optimizer=adamw"], STAT4_EF, STAT4_EF_RS],
-    ids=["adamw-fp32", "muon-statistical4-ef", "muon-statistical4-ef-reduce-scatter"],
-)
-def test_resume_over_processes_is_bitwise_identical(tmp_path, TINY, extra):
+RESUME_CASES = {"adamw-fp32": ["inner.optimizer=adamw"], "muon-statistical4-ef": STAT4_EF}
+RESUME_CASES["muon-statistical4-ef-reduce-scatter"] = STAT4_EF_RS
+
+
+def resume_overrides(output_dir: Path, extra: list[str]) -> list[str]:
+    steps = ["train.total_tokens=6144", "checkpoint.every=1", "checkpoint.keep=10"]  # 4 outer steps of H = 3
+    return [*TINY, *extra, "workers=2", "train.batch_tokens=512", *steps, f"run.output_dir={output_dir}"]
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory) -> Path:
+    """Every case in one go (full/), then cut to its first 2 outer steps (cut/) and resumed: one set of 2
+    processes for the full runs and one for the resumes (combo_rank.py), not 6 launches."""
+    directory = tmp_path_factory.mktemp("resume")
+    for phase in ("full", "cut"):
+        if phase == "cut":
+            shutil.copytree(directory / "full", directory / "cut")
+            for name in RESUME_CASES:
+                for checkpoints in (
+                    directory / "cut" / name / "checkpoints",
+                    directory / "cut" / name / "checkpoints/rank1",
+                ):
+                    for path in list_checkpoints(checkpoints)[2:]:  # keep outer steps 1 and 2
+                        path.unlink()
+        cases = [
+            {"name": name, "overrides": resume_overrides(directory / phase, x), "port": free_port()}
+            for name, x in RESUME_CASES.items()
+        ]
+        (directory / f"ranks-{phase}").mkdir()
+        run_combo_ranks("torch", 2, cases, directory / f"ranks-{phase}", QS, timeout=300)
+    return directory
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resume_over_processes_is_bitwise_identical(resume_runs, case):
     """2R outer steps in one go == R steps, stop, resume, R steps: 2 torch processes, bit for bit."""
-    overrides = [
-        *TINY,
-        *extra,
-        "workers=2",
-        "train.batch_tokens=512",
-        "train.total_tokens=6144",  # 12 steps, 4 outer steps of H = 3
-        "checkpoint.every=1",
-        "checkpoint.keep=10",
-        "run.name=run",
-    ]
-    full = launch(2, [*overrides, f"run.output_dir={tmp_path / 'full'}"])
-    assert full.returncode == 0, full.stderr[-3000:]
-    shutil.copytree(tmp_path / "full", tmp_path / "cut")
-    for directory in (tmp_path / "cut/run/checkpoints", tmp_path / "cut/run/checkpoints/rank1"):
-        for path in list_checkpoints(directory)[2:]:  # keep outer steps 1 and 2
-            path.unlink()
-    resumed = launch(2, [*overrides, f"run.output_dir={tmp_path / 'cut'}"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed checkpoint" in resumed.stderr and "step=6" in resumed.stderr
+    extra, full, cut = RESUME_CASES[case], resume_runs / "full" / case, resume_runs / "cut" / case
+    resumed_from = cut / "checkpoints" / "step_00000006.pt"
+    assert (
+        f"resumed checkpoint={resumed_from} step=6" in (resume_runs / "ranks-cut" / "rank0.log").read_text()
+    )
     for rank_dir in ("", "rank1"):
-        a = load_checkpoint(list_checkpoints(tmp_path / "full/run/checkpoints" / rank_dir)[-1])
-        b = load_checkpoint(list_checkpoints(tmp_path / "cut/run/checkpoints" / rank_dir)[-1])
+        a = load_checkpoint(list_checkpoints(full / "checkpoints" / rank_dir)[-1])
+        b = load_checkpoint(list_checkpoints(cut / "checkpoints" / rank_dir)[-1])
         for x, y in zip(a["engine"]["outer"]["params"], b["engine"]["outer"]["params"], strict=True):
             assert torch.equal(x, y)
         for x, y in zip(a["replicas"][0]["model"].values(), b["replicas"][0]["model"].values(), strict=True):

@@ -9,9 +9,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from conftest import TINY
 from test_helpers import (
     assert_same_global_params,
     final_global_params,
+    run_combo_ranks,
     run_muloco,
     start_muloco,
     sync_records,
@@ -43,31 +45,40 @@ def common(tmp_path, TINY, outer_steps=8, every=3):
     ]
 
 
-@pytest.mark.parametrize(
-    "inner, compression, rtol",
-    [
-        ("adamw", [], 1e-6),  # fp32: gloo's all-reduce over the quorum vs over the torch world
-        ("muon", ["inner.ns_dtype=fp32"], 1e-6),
-        # Compressed: every member decodes every message in the same order as the torch ranks.
-        ("muon", [*STAT4_EF, "sync.transport=all_gather"], 0.0),
-        ("adamw", STREAMING, 1e-6),  # a quorum per fragment's sync, applied tau = 1 steps later
-    ],
-    ids=["adamw-fp32", "muon-fp32", "muon-statistical4-ef", "adamw-streaming"],
-)
-# Time (~18 s a case): a torchft launch (lighthouse, 3 workers) and the torch launch it must equal.
-def test_three_workers_equal_the_torch_backend(tmp_path, TINY, inner, compression, rtol):
-    overrides = [*common(tmp_path, TINY), f"inner.optimizer={inner}", *compression]
-    ft = run_muloco(
-        "launch", "--nproc", 3, "--backend", "torchft", QS, *overrides, "run.name=ft", timeout=240
-    )
-    assert ft.returncode == 0, ft.stderr[-3000:]
-    torch_run = run_muloco("launch", "--nproc", 3, QS, *overrides, "run.name=torch", timeout=240)
-    assert torch_run.returncode == 0, torch_run.stderr[-3000:]
-    reference = final_global_params(tmp_path / "torch")
-    syncs = len(sync_records(tmp_path / "torch"))
-    assert syncs == (8 if compression != STREAMING else 17)  # streaming: 2 per outer step, 1 at the end
+# Each case's overrides beside the common ones, and the tolerance against the torch backend.
+EQUALITY_CASES = {
+    "adamw-fp32": (["inner.optimizer=adamw"], 1e-6),  # gloo's all-reduce over the quorum vs the torch world
+    "muon-fp32": (["inner.optimizer=muon", "inner.ns_dtype=fp32"], 1e-6),
+    # Compressed: every member decodes every message in the same order as the torch ranks.
+    "muon-statistical4-ef": (["inner.optimizer=muon", *STAT4_EF, "sync.transport=all_gather"], 0.0),
+    "adamw-streaming": (["inner.optimizer=adamw", *STREAMING], 1e-6),  # a quorum per fragment's sync
+}
+
+
+@pytest.fixture(scope="module")
+def equality_runs(tmp_path_factory) -> Path:
+    """Every equality case over torchft (a lighthouse and 3 workers per case) and over torch (a world of 3),
+    in one set of 3 processes per backend (combo_rank.py, wired as `muloco launch` wires them): torch and
+    torchft start once per backend rather than once per case (~72 s as 8 launches)."""
+    directory = tmp_path_factory.mktemp("equality")
+    for backend in ("torchft", "torch"):
+        cases = [
+            {"name": name, "overrides": [*common(directory, TINY), *extra], "port": free_port()}
+            for name, (extra, _) in EQUALITY_CASES.items()
+        ]
+        (directory / backend).mkdir()
+        run_combo_ranks(backend, 3, cases, directory / backend, QS, timeout=420)
+    return directory
+
+
+@pytest.mark.parametrize("case", list(EQUALITY_CASES))
+def test_three_workers_equal_the_torch_backend(equality_runs, case):
+    extra, rtol = EQUALITY_CASES[case]
+    reference = final_global_params(equality_runs / case)
+    syncs = len(sync_records(equality_runs / case))
+    assert syncs == (17 if "sync.fragments=2" in extra else 8)  # streaming: 2 per outer step, 1 at the end
     for i in range(3):
-        run_dir = tmp_path / f"ft-worker{i}"
+        run_dir = equality_runs / f"{case}-worker{i}"
         assert [r["quorum_size"] for r in sync_records(run_dir)] == [3] * syncs
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["quorum_size_min"] == 3 and summary["heals"] == 0
