@@ -282,17 +282,16 @@ def _plan_settings(args: argparse.Namespace) -> tuple[float, argparse.Namespace]
 
 def _config_params(cfg) -> float:
     """The parameter count of a config's model (built on the meta device: no memory, no init)."""
-    import json
     from pathlib import Path
 
     import torch
 
+    from muloco.data.sources import read_token_meta
     from muloco.models import build_model
 
     vocab = cfg.data.vocab_size
-    meta = Path(cfg.data.path or ".").expanduser() / "meta.json"
-    if vocab is None and cfg.data.source == "tokens" and meta.is_file():
-        vocab = json.loads(meta.read_text()).get("vocab_size")
+    if vocab is None and cfg.data.source == "tokens":
+        vocab = (read_token_meta(Path(cfg.data.path).expanduser()) or {}).get("vocab_size")
     with torch.device("meta"):
         model = build_model(cfg.model, vocab or 256)  # byte-level sources: 256 ids
     return float(sum(p.numel() for p in model.parameters()))

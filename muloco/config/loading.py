@@ -209,8 +209,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     cfg = validate(data, source, overrides)
     if path is None:
         return cfg
-    name = name_for_overrides(cfg, file_data, overrides)
-    return cfg if name == cfg.run.name else validate({**data, "run": {**data.get("run", {}), "name": name}})
+    cfg.run.name = name_for_overrides(cfg, file_data, overrides)  # sections validate assignments
+    return cfg
 
 
 def _file_value(file_data: dict[str, Any], key: str) -> Any:
