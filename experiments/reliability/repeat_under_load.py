@@ -1,11 +1,12 @@
-"""Repeat a test N times with the CPU kept busy by a burner process, and report how often it passed.
+"""Repeat tests N times with the CPU kept busy by burner processes, and report how often each passed.
 
-    python experiments/reliability/repeat_under_load.py [--repeats 10] [--burners 1] [--test NODEID]
+    python experiments/reliability/repeat_under_load.py [--repeats 10] [--burners 2] [--test NODEID ...]
 
-The default test is the swarm kill test: 3 hivemind peers, one SIGKILLed at outer step 2 of 8, the two
-survivors must finish every step with bitwise equal global parameters. A burner is a process spinning on
-one core for the whole experiment (on this 2-core machine, one burner takes half of it away). Prints a
-table and writes experiments/reliability/results/<test name>.json.
+By default every hivemind slow test that runs a swarm (SWARM_TESTS), interleaved: repeat 1 of each test,
+then repeat 2 of each, ... so that a slow phase of the machine hits every test alike. A burner is a process
+spinning on one core for the whole experiment (on this 2-core machine, two burners take as much CPU as the
+test gets). Prints a table (passes, seconds min-max, the failures' last lines) and writes
+experiments/reliability/results/<name>.json (`--name`, default `swarm_tests` or the one test's name).
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TEST = "tests/comm/test_hivemind_training.py::test_a_killed_peer_costs_the_others_at_most_a_timeout"
+SWARM_TESTS = [
+    "tests/comm/test_hivemind_training.py::test_three_peers_average_every_sync_and_stay_equal",
+    "tests/comm/test_hivemind_training.py::test_a_killed_peer_costs_the_others_at_most_a_timeout",
+    "tests/comm/test_hivemind_training.py::test_a_late_joiner_catches_up_and_another_run_id_never_mixes",
+    "tests/comm/hivemind/test_security.py::test_a_peer_whose_model_drifted_is_realigned_at_the_next_sync_or_by_the_final_agreement",
+    "tests/comm/hivemind/test_security.py::test_an_insider_sending_malformed_payloads_at_every_sync_cannot_stop_the_others",
+    "tests/comm/hivemind/test_security.py::test_a_slow_peer_falls_behind_catches_up_and_finishes_with_the_others",
+    "tests/comm/hivemind/test_security.py::test_an_intruder_without_the_key_changes_nothing_and_is_named",
+]
 
 
 def burn() -> None:
@@ -27,54 +36,59 @@ def burn() -> None:
         pass
 
 
+def run_once(test: str, timeout_s: float) -> dict:
+    t0 = time.monotonic()
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        passed, lines = done.returncode == 0, done.stdout.strip().splitlines()
+        # The summary line, and for a failure the assertion that failed.
+        tail = lines[-1:] if passed else [x for x in lines if x.startswith("E ")][:3] + lines[-1:]
+    except subprocess.TimeoutExpired:
+        passed, tail = False, [f"timed out after {timeout_s:.0f} s"]
+    return {"passed": passed, "seconds": round(time.monotonic() - t0, 1), "result": tail}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--burners", type=int, default=1, help="busy processes beside the test")
-    parser.add_argument("--test", default=DEFAULT_TEST, help="a pytest node id")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="per repeat")
+    parser.add_argument("--burners", type=int, default=2, help="busy processes beside the tests")
+    parser.add_argument("--test", action="append", help="a pytest node id (repeatable); default: SWARM_TESTS")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="per run of a test")
+    parser.add_argument("--name", default=None, help="the results file's name")
     args = parser.parse_args()
+    tests = args.test or SWARM_TESTS
 
     burners = [multiprocessing.Process(target=burn, daemon=True) for _ in range(args.burners)]
     for b in burners:
         b.start()
-    rows = []
+    runs: dict[str, list[dict]] = {test: [] for test in tests}
     try:
         for i in range(args.repeats):
-            t0 = time.monotonic()
-            command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", args.test]
-            try:
-                done = subprocess.run(
-                    command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s
+            for test in tests:
+                row = run_once(test, args.timeout_s)
+                runs[test].append({"repeat": i, **row})
+                verdict = "pass" if row["passed"] else "FAIL"
+                print(
+                    f"{i:>3}  {verdict:<5} {row['seconds']:>7.1f} s  {test.split('::')[-1]}  {row['result']}"
                 )
-                passed, tail = done.returncode == 0, done.stdout.strip().splitlines()[-1:]
-            except subprocess.TimeoutExpired:
-                passed, tail = False, [f"timed out after {args.timeout_s:.0f} s"]
-            rows.append(
-                {"repeat": i, "passed": passed, "seconds": round(time.monotonic() - t0, 1), "result": tail}
-            )
-            print(
-                f"{i:>6}  {'pass' if passed else 'FAIL':<6}  {rows[-1]['seconds']:>7.1f} s  {tail}",
-                flush=True,
-            )
     finally:
         for b in burners:
             b.terminate()
             b.join(timeout=5)
-    passes = sum(r["passed"] for r in rows)
-    print(f"\n{passes}/{len(rows)} passed with {args.burners} burner(s): {args.test}")
+
+    print(f"\n{args.repeats} repeats with {args.burners} burner(s)")
+    print(f"{'test':<92} {'passed':>8} {'seconds (min-max)':>18}")
+    for test, rows in runs.items():
+        passes, seconds = sum(r["passed"] for r in rows), [r["seconds"] for r in rows]
+        span = f"{min(seconds):.1f}-{max(seconds):.1f}"
+        print(f"{test.split('::')[-1]:<92} {passes:>4}/{len(rows):<3} {span:>18}")
     out = Path(__file__).with_name("results")
     out.mkdir(exist_ok=True)
-    name = args.test.split("::")[-1]
-    result = {
-        "test": args.test,
-        "burners": args.burners,
-        "passed": passes,
-        "repeats": len(rows),
-        "runs": rows,
-    }
+    name = args.name or ("swarm_tests" if len(tests) > 1 else tests[0].split("::")[-1])
+    result = {"burners": args.burners, "repeats": args.repeats, "tests": runs}
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if passes == len(rows) else 1
+    return 0 if all(r["passed"] for rows in runs.values() for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ class Progress(Component):
     outer_steps: int = 0  # = fragment_syncs // P
     fragment_syncs: int = 0
     bad_syncs: int = 0  # syncs (dp: steps) in a row that left a non-finite replica out
+    # Contributions left out of means for other reasons, by kind (a swarm's: other_step, download, ...).
+    excluded: dict[str, int] = field(default_factory=dict, metadata={"optional": True})
     round_losses: list[float] = field(default_factory=list)  # train losses since the last sync started
     val_losses: list[list[float]] = field(default_factory=list)  # [step, val loss] of every eval
     worker_compute_s: float = 0.0  # one worker's inner-step compute (mean over replicas), all sessions
@@ -67,6 +69,7 @@ class Progress(Component):
             "inner_steps": self.steps,
             "outer_steps": self.outer_steps,
             "fragment_syncs": self.fragment_syncs,
+            "contributions_excluded": dict(self.excluded),
             "worker_compute_s": round(self.worker_compute_s, 3),
         }
 

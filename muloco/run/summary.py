@@ -71,6 +71,7 @@ def build_summary(
         "peak_rss_bytes_rank0": peak_rss_bytes(),
         **components["wan"].summary(),
         **(components["membership"].summary() if "membership" in components else {}),  # torchft
+        **getattr(components.get("engine"), "conclusion", {}),  # a swarm's final agreement
         "params": num_params,
         "device": device,
         "config_fingerprint": cfg.fingerprint(),

@@ -221,6 +221,8 @@ class Trainer:
             # Agreed once more: a signal that reached some ranks during the last round must not send them
             # to the checkpoint's collectives while the others evaluate (a sharded model's eval gathers).
             stopped = self.stop.agreed()
+            if self.dp is None and not stopped:  # a swarm's final agreement, before the final eval
+                self.engine.conclude(self.replicas, on_failure=self.save_checkpoint)
             if progress.val_losses[-1][0] != progress.steps and not stopped:
                 self.evaluate()
             self.save_checkpoint()

@@ -340,6 +340,9 @@ class ElasticReducer:
     def after_sync(self, state: SharedState, mean: Mean, replicas: list) -> None:
         pass  # a worker behind is healed at the next quorum
 
+    def conclude(self, state: SharedState, replicas: list) -> dict[str, Any]:
+        return {}  # each quorum's members commit the same mean (or none)
+
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
         if self.group is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from muloco.comm import Backend
 from muloco.comm.sharding import as_shard_of, local
 from muloco.compress import Compressor, ErrorFeedback, NoCompression
 from muloco.config import CompressionConfig, OuterConfig, SyncConfig
-from muloco.errors import UserError
+from muloco.errors import TrainingError, UserError
 from muloco.models.roles import param_roles
 from muloco.net.wan import sync_seconds
 from muloco.run.state import CommLedger, Progress, WanProjection
@@ -145,6 +146,7 @@ class SyncEngine:
         self.wan = wan
         self.guard = BadSyncGuard(self.progress, reducer.workers, max_bad_syncs)
         self.observer = None  # diagnostics (alignment.py): sees every pseudogradient and merge
+        self.conclusion: dict[str, Any] = {}  # the reducer's final agreement's summary fields (conclude)
         self.in_flight: list[InFlightSync] = []
         self.unsynced = [False] * len(self.fragments)  # inner steps not yet covered by a started sync
         reducer.open(shapes, self.codecs)
@@ -363,22 +365,27 @@ class SyncEngine:
 
         # Outer Nesterov step on the fragment's fp32 global parameters (its own momentum buffers). Never
         # with a non-finite value: without a finite mean the step is skipped.
+        # No mean at all (a swarm peer without a group, or behind it) is not divergence; a mean that
+        # overflowed from finite inputs is.
         finite = mean.values is not None and math.isfinite(global_norm(mean.values))
+        overflowed = mean.values is not None and not finite
         left_out = mean.left_out
         if self.shard_group is not None:
             # Each rank holds its rows of the mean, decoded from its own sync group's messages: the worker
             # steps only if every rank has finite rows, and counts what any rank left out.
             R = self.shard_group.world_size
-            unusable, left = self.worker_sum(float(not finite), float(mean.left_out))
-            finite, left_out = unusable == 0, math.ceil(left / R)
+            unusable, left, bad = self.worker_sum(float(not finite), float(mean.left_out), float(overflowed))
+            finite, left_out, overflowed = unusable == 0, math.ceil(left / R), bad > 0
         update_norm = None
         if finite:
             with record_function("muloco::outer_step"):
                 update_norm = self.outer.step(mean.values, None if len(self.fragments) == 1 else indices)
             if self.shard_group is not None:
                 update_norm = math.sqrt(self.worker_sum(update_norm**2)[0])
-        left_out = left_out if finite else max(left_out, 1)
+        left_out = max(left_out, 1) if overflowed else left_out
         self.guard.record(left_out, f"sync of fragment {sync.fragment} at step {self.progress.steps}")
+        for kind, count in mean.excluded.items():
+            self.progress.excluded[kind] = self.progress.excluded.get(kind, 0) + count
         self.progress.fragment_syncs += 1
         self.progress.outer_steps = self.progress.fragment_syncs // len(self.fragments)
         if mean.bytes_sent or self.shard_group is not None:
@@ -415,6 +422,7 @@ class SyncEngine:
             "outer_update_norm": update_norm,
             "outer_step": self.progress.outer_steps,
             "replicas_left_out": left_out,
+            **({"contributions_excluded": mean.excluded} if mean.excluded else {}),
             "payload_bytes": stats["payload_bytes"],
             "bits_per_param": stats["bits_per_param"],
             **stats["alignment"],
@@ -430,6 +438,17 @@ class SyncEngine:
     def join(self, replicas: list, resumed: bool) -> None:
         """Before the first round: the reducer joins the run (a swarm joiner loads the swarm's state)."""
         self.reducer.join(self, replicas, resumed)
+
+    def conclude(self, replicas: list, on_failure: Callable[[], Any]) -> None:
+        """After the run's last sync: the reducer's final agreement (a swarm's peers compare their models
+        and a minority adopts the majority's; its summary.json fields are kept in `conclusion`). If it
+        fails, on_failure() first (a checkpoint of this worker's own state: no work is lost), then the
+        error."""
+        try:
+            self.conclusion = self.reducer.conclude(self, replicas)
+        except TrainingError:
+            on_failure()
+            raise
 
     def close(self) -> None:
         self.reducer.close()

@@ -59,12 +59,15 @@ class Contribution:
 class Mean:
     values: list[torch.Tensor] | None  # the mean pseudogradient; None when no replica contributed
     contributors: int
-    left_out: int  # replicas (or swarm peers) whose contribution is not in the mean
+    left_out: int  # replicas left out as non-finite (the guard's count; a swarm: this peer's own only)
     bytes_sent: float = 0.0  # what this worker sent for the sync, known once it is done (a swarm's group)
     details: dict[str, Any] = field(default_factory=dict)  # reducer-specific log fields (e.g. group_size)
     # The reducer gave the sync up (torchft: a sync in flight whose collectives failed was not committed):
     # nothing to apply, and the replicas keep their drift for the fragment's next sync.
     dropped: bool = False
+    # Contributions left out for other reasons, by kind (a swarm's: another step, a failed download, a
+    # malformed payload, ...): counted in summary.json, never divergence.
+    excluded: dict[str, int] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +77,7 @@ class Mean:
             "bytes_sent": self.bytes_sent,
             "details": self.details,
             "dropped": self.dropped,
+            "excluded": self.excluded,
         }
 
 
@@ -147,6 +151,12 @@ class Reducer(Protocol):
         """After a sync was applied: a swarm peer that fell behind realigns; collectives do nothing."""
         ...
 
+    def conclude(self, state: SharedState, replicas: list) -> dict[str, Any]:
+        """After the run's last sync, before its final checkpoint: a swarm's final agreement (a peer whose
+        model differs from the majority's adopts it, or raises TrainingError); returns summary.json fields.
+        Collectives agree by construction: nothing to do."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -208,6 +218,9 @@ class CollectiveReducer:
 
     def after_sync(self, state: SharedState, mean: Mean, replicas: list) -> None:
         pass
+
+    def conclude(self, state: SharedState, replicas: list) -> dict[str, Any]:
+        return {}  # every process applied the same mean
 
     def close(self) -> None:
         pass
@@ -280,17 +293,19 @@ def share_with_worker(worker: Backend, pending: PendingMean | None, like: list[t
         # contributors, left out, bytes sent, dropped
         meta = torch.zeros(4, dtype=torch.float64, device=like[0].device)
         details: dict[str, Any] = {}
+        excluded: dict[str, int] = {}
         if pending is not None:
             mean = pending.wait()
             values = mean.values or [torch.zeros_like(t) for t in like]
             counts = [mean.contributors, mean.left_out, mean.bytes_sent, float(mean.dropped)]
             meta.copy_(torch.tensor(counts, dtype=torch.float64))
-            details = mean.details
+            details, excluded = mean.details, mean.excluded
         else:
             values = [torch.empty_like(t) for t in like]
         values = worker.broadcast(values, src=0).wait()
         n, left_out, sent, dropped = worker.broadcast([meta], src=0).wait()[0].tolist()
         usable = n > 0 and not dropped
-        return Mean(values if usable else None, int(n), int(left_out), sent, details, dropped=bool(dropped))
+        values = values if usable else None
+        return Mean(values, int(n), int(left_out), sent, details, bool(dropped), excluded)
 
     return PendingMean(CompletedHandle(None), finish)

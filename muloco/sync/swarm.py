@@ -13,11 +13,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from muloco.config import HivemindBackendConfig
-from muloco.errors import UserError
+from muloco.errors import TrainingError, UserError
 from muloco.net.launch import die_with_parent
 from muloco.sync.codec import PseudogradientCodec, unpack
 from muloco.sync.reduce import Contribution, Mean, PendingMean, SharedState
@@ -118,13 +119,21 @@ class SwarmReducer:
         self._serve(state)
         self._wait_for_peers(state.fragment_syncs)
 
-    def _load(self, state: SharedState, replicas: list, donor=None, min_progress: int = 0) -> bool:
+    def _load(
+        self,
+        state: SharedState,
+        replicas: list,
+        donor=None,
+        min_progress: int = 0,
+        digests: set[bytes] | None = None,
+        timeout: float | None = None,
+    ) -> bool:
         """Global parameters, outer momentum and step counters from a peer (the one given, else the one
-        furthest ahead); the replicas restart there."""
+        furthest ahead; one of these digests when given; within timeout, else join_timeout_s); the
+        replicas restart there."""
         like, _ = state.export_state()
         donors = None if donor is None else [donor]
-        digests = None
-        if self.tolerate:
+        if digests is None and self.tolerate:
             digests = _backed_digests(self.swarm.peer_records(), min_progress, self.tolerate + 1)
             if not digests:
                 log.info(
@@ -133,7 +142,7 @@ class SwarmReducer:
                     self.tolerate + 1,
                 )
                 return False
-        timeout = self.section.join_timeout_s
+        timeout = self.section.join_timeout_s if timeout is None else timeout
         found = self.swarm.load_state_from_peers(like, timeout, donors, min_progress, digests)
         if found is None:
             return False
@@ -176,10 +185,10 @@ class SwarmReducer:
             handle = self.swarm.start_average(c.fragment, c.delta_sum, c.step, rule, digest)
         else:
             handle = self.swarm.start_average_encoded(c.fragment, unpack(c.messages[0]), c.step, rule, digest)
-        return PendingMean(handle, self._mean_of(c, digest))
+        return PendingMean(handle, self._mean_of(c, digest, str(self.swarm.peer_id)))
 
     @staticmethod
-    def _mean_of(c: Contribution, digest: bytes) -> Callable[[object], Mean]:
+    def _mean_of(c: Contribution, digest: bytes, me: str) -> Callable[[object], Mean]:
         def finish(result) -> Mean:
             if result.excluded_reasons:
                 log.warning("hivemind: contributions excluded: %s", result.excluded_reasons)
@@ -195,7 +204,10 @@ class SwarmReducer:
                     reference[0],
                     reference[1].hex(),
                 )
-            return Mean(result.mean, result.contributors, result.excluded, sent, details)
+            # Only this peer's own non-finite contribution is left out in the guard's sense; the others'
+            # exclusions (another step, a failed download, a malformed payload) are counted by kind.
+            left_out, excluded = result.exclusions(me)
+            return Mean(result.mean, result.contributors, left_out, sent, details, excluded=excluded)
 
         return finish
 
@@ -225,10 +237,11 @@ class SwarmReducer:
             if not (behind or realign or reference):
                 return
             if not state.can_adopt():
-                if reference:  # not silent: the run's last sync, or a streaming sync still in flight
+                if reference:  # not silent: a streaming sync still in flight, or the run's last sync
                     log.warning(
                         "hivemind: this peer's global state differs from its group's majority (peer=%s) and "
-                        "cannot be realigned now (a sync in flight, or the run's end)",
+                        "cannot be realigned now (a sync in flight, or the run's end: then the final "
+                        "agreement realigns it)",
                         reference,
                     )
                 return
@@ -259,6 +272,64 @@ class SwarmReducer:
                 return
             if not loaded:
                 time.sleep(0.25)
+
+    # -- the end of the run: a final agreement ------------------------------------------------------
+    def conclude(self, state: SharedState, replicas: list) -> dict[str, Any]:
+        """After the last sync every peer publishes its final digest and waits (at most 2 x the
+        averaging timeout) until every peer still running has too. A peer whose model differs from the
+        majority's (the rule of `_reference`) loads the majority's state from its reference member; the
+        others keep serving theirs meanwhile. A peer that still differs at the deadline raises
+        TrainingError: it must not end "completed" with a model the others do not have."""
+        final, me = state.fragment_syncs, str(self.swarm.peer_id)
+        wait_s = 2.0 * max(t.averaging_timeout for t in self.swarm.timeouts)
+        self._serve(state)  # also a peer that went its own way: loaders ask for a digest, not a peer
+        deadline, realigned = time.monotonic() + wait_s, False
+        while True:
+            self.swarm.publish_outer_step(final, self.digest)
+            finished, running = self._final_digests(final, wait_s)
+            finished[me] = self.digest
+            reference = _reference(finished, self.digest)
+            if reference is None and len(set(finished.values())) == 1 and not running:
+                break  # everyone still running holds this model
+            if reference is not None:
+                log.warning(
+                    "hivemind: this peer's final model differs from the swarm's majority (%d of %d peers "
+                    "agree on another): loading the state of peer=%s",
+                    *(list(finished.values()).count(reference[1]), len(finished), reference[0]),
+                )
+                left = max(1.0, deadline - time.monotonic())
+                if self._load(state, replicas, _peer(reference[0]), final, {reference[1]}, left):
+                    self._serve(state)  # the others see it agree at the next look
+                    realigned = True
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        if reference is not None:
+            raise TrainingError(
+                f"hivemind: this peer's final model differs from the swarm's majority and it could not load "
+                f"the majority's state (peer={reference[0]}) within {wait_s:.0f} s; its own model is in the "
+                "last checkpoint. Resume with the swarm running (checkpoint.resume=auto) to realign it"
+            )
+        if len(set(finished.values())) > 1:
+            log.warning(
+                "hivemind: peers still differ at the end (%d models); this one holds the majority's",
+                len(set(finished.values())),
+            )
+        return {"final_state_digest": self.digest.hex(), "realigned_at_end": realigned}
+
+    def _final_digests(self, final: int, fresh_s: float) -> tuple[dict[str, bytes], list[str]]:
+        """The digests of the peers that finished (published `final`), and the peers still running (behind,
+        with a record published within fresh_s; an older one is a peer that left)."""
+        from hivemind.utils.timed_storage import get_dht_time
+
+        now = get_dht_time()
+        finished, running = {}, []
+        for peer, record in self.swarm.peer_records().items():
+            if record.progress == final and record.digest:
+                finished[str(peer)] = record.digest
+            elif record.progress < final and now - record.published < fresh_s:
+                running.append(str(peer))
+        return finished, running
 
     def _swarm_progress(self, progress: int) -> int:
         """The swarm's progress as this peer trusts it: the (tolerate + 1)-th highest that other peers

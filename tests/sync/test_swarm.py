@@ -2,12 +2,18 @@
 `SharedState`, a peer behind the swarm catches up after a sync, and never while a sync is in flight. (Real
 swarms: tests/comm/hivemind/, slow.)"""
 
+import math
+import time
+
+import pytest
 import torch
 
 from muloco.config import HivemindBackendConfig, OuterConfig, SyncConfig
+from muloco.errors import TrainingError
 from muloco.run.replica import Replica
 from muloco.sync import Mean, SyncEngine
 from muloco.sync.digest import state_digest
+from muloco.sync.reduce import PendingMean
 from muloco.sync.swarm import SwarmReducer, _reference
 
 
@@ -134,8 +140,8 @@ def test_a_peer_whose_state_differs_from_its_groups_loads_the_reference_after_th
 
 
 class Record:
-    def __init__(self, progress, digest):
-        self.progress, self.digest = progress, digest
+    def __init__(self, progress, digest, published=0.0):
+        self.progress, self.digest, self.published = progress, digest, published
 
 
 def test_with_a_robust_rule_one_insiders_claims_do_not_make_a_peer_reload():
@@ -155,3 +161,100 @@ def test_with_a_robust_rule_one_insiders_claims_do_not_make_a_peer_reload():
     swarm.peer_records = lambda: {"a": Record(4, b"h" * 16), "c": Record(4, b"h" * 16)}
     engine.reducer.after_sync(engine, Mean(None, 0, 0, details={"group_size": 2}), [replica])
     assert swarm.asked[-1] == (None, 1) and engine.progress.steps == 8  # the backed state, never older
+
+
+# -- exclusions are not divergence (issue 37) ---------------------------------------------------------------
+
+
+def sync_with(engine, replica, mean):
+    """One sync of the fake swarm peer whose reducer returns `mean`."""
+    engine.reducer.start_mean = lambda contribution: PendingMean.completed(mean)
+    started = engine.start(0, [replica], 2, {"loss_sum_count": (0.0, 1)})
+    return engine.finish(started, [replica])
+
+
+def test_contributions_excluded_for_any_reason_never_end_the_run_and_are_counted_by_kind():
+    engine, replica, swarm = engine_and_replica([])
+    engine.reducer.after_sync = lambda *args: None
+    others = {"other_step": 4}  # e.g. a peer that fell behind, in every group: never a bad sync
+    no_group = Mean(None, 0, 0, details={"group_size": 1})  # no group, or behind it: no mean at all
+    for _ in range(4):
+        record = sync_with(engine, replica, Mean(None, 0, 0, excluded=dict(others)))
+        assert record.fields["replicas_left_out"] == 0 and record.fields["contributions_excluded"] == others
+        sync_with(engine, replica, no_group)
+    assert engine.progress.bad_syncs == 0 and engine.progress.excluded == {"other_step": 16}
+    assert engine.progress.summary()["contributions_excluded"] == {"other_step": 16}
+
+
+def test_only_this_peers_own_non_finite_contribution_or_an_overflowed_mean_is_a_bad_sync():
+    engine, replica, swarm = engine_and_replica([])
+    engine.reducer.after_sync = lambda *args: None
+    sync_with(engine, replica, Mean(None, 0, 1))  # its own replica sat out
+    assert engine.progress.bad_syncs == 1
+    overflowed = [torch.full_like(p, math.inf) for p in engine.global_params]
+    sync_with(engine, replica, Mean(overflowed, 2, 0))  # finite inputs, a non-finite mean
+    assert engine.progress.bad_syncs == 2
+    with pytest.raises(TrainingError, match="the run diverged"):
+        sync_with(engine, replica, Mean(None, 0, 1))
+
+
+# -- the final agreement (issue 37) -------------------------------------------------------------------------
+
+
+class Timeouts:
+    averaging_timeout = 0.5  # conclude waits at most 2 x this
+
+
+def concluding(others, donor_value=None):
+    """A fake peer at the end of its run (3 fragment syncs), PEERS[3] itself; others: peer -> (progress,
+    digest, seconds since published)."""
+    engine, replica, swarm = engine_and_replica([])
+    engine.progress.fragment_syncs, engine.progress.steps = 3, 6
+    swarm.peer_id, swarm.timeouts = PEERS[3], [Timeouts()]
+    if donor_value is not None:
+        swarm.donor_state = swarm_state(engine, donor_value, step=6)
+    now = time.time()
+    swarm.peer_records = lambda: {p: Record(n, d, now - age) for p, (n, d, age) in others.items()}
+    return engine, replica, swarm
+
+
+def test_peers_that_finished_with_the_same_model_agree_at_once():
+    engine, replica, swarm = concluding({})
+    own = state_digest(engine.export_state()[0])
+    swarm.peer_records = lambda: {p: Record(3, own, time.time()) for p in PEERS[:2]}
+    t0 = time.monotonic()
+    engine.conclude([replica], on_failure=pytest.fail)
+    assert time.monotonic() - t0 < 0.5 and not swarm.asked
+    assert engine.conclusion == {"final_state_digest": own.hex(), "realigned_at_end": False}
+
+
+def test_a_peer_whose_final_model_differs_from_the_majority_loads_it():
+    engine, replica, swarm = concluding({}, 0.75)
+    majority = state_digest(swarm.donor_state[0])
+    swarm.peer_records = lambda: {p: Record(3, majority, time.time()) for p in PEERS[:2]}
+    t0 = time.monotonic()
+    engine.conclude([replica], on_failure=pytest.fail)
+    assert time.monotonic() - t0 < 0.9  # agreed once loaded, before the deadline
+    assert str(swarm.asked[0][0][0]) == PEERS[0] and swarm.asked[0][1] == 3  # the reference, at the end
+    assert all(torch.equal(p, torch.full_like(p, 0.75)) for p in replica.model.parameters())
+    assert engine.conclusion["realigned_at_end"] is True
+
+
+def test_a_peer_that_cannot_load_the_majoritys_model_fails_after_its_checkpoint():
+    majority = b"m" * 16
+    engine, replica, swarm = concluding({PEERS[0]: (3, majority, 0), PEERS[1]: (3, majority, 0)})
+    saved = []
+    with pytest.raises(TrainingError, match="differs from the swarm's majority"):
+        engine.conclude([replica], on_failure=lambda: saved.append(True))
+    assert saved == [True]  # its own model is kept
+
+
+def test_the_majority_waits_for_a_peer_still_running_but_not_for_one_that_left():
+    own = None
+    for age, waits in ((0.0, True), (60.0, False)):  # a record 60 s old: a peer that left
+        engine, replica, swarm = concluding({PEERS[0]: (2, b"r" * 16, age)})
+        own = state_digest(engine.export_state()[0])
+        t0 = time.monotonic()
+        engine.conclude([replica], on_failure=pytest.fail)
+        assert (time.monotonic() - t0 >= 1.0) == waits  # the deadline: 2 x averaging_timeout
+        assert engine.conclusion["final_state_digest"] == own.hex()

@@ -54,6 +54,34 @@ def norm_outliers(norms: dict[str, float], max_norm_ratio: float) -> dict[str, s
     }
 
 
+# Why a member's contribution was left out of a group's mean, by kind (the reasons below and in exchange.py
+# and transfer.py, matched by how each begins). Only this peer's own non-finite contribution is the
+# non-finite guard's business (sync/guard.py); the others are counted in summary.json by kind and never
+# end a run: a peer at another step, a failed download or an insider's malformed payload is not divergence.
+EXCLUSION_KINDS = (
+    ("at outer step", "other_step"),
+    ("withheld by its peer", "non_finite"),
+    ("payloads do not match the token", "token_mismatch"),
+    ("download", "download"),
+    ("payload unavailable", "download"),
+    ("not in backend.hivemind.auth.allowed_peers", "auth"),
+    ("not authenticated", "auth"),
+    ("norm ", "outlier"),
+    ("combines by sync.aggregate", "rule"),
+    ("malformed", "malformed"),
+    ("undecodable", "malformed"),
+)
+
+
+def exclusion_kind(reason: str) -> str:
+    """The kind of an exclusion reason (EXCLUSION_KINDS); a decoded contribution's problem
+    (contribution_problem) is non_finite for non-finite values and malformed otherwise."""
+    for start, kind in EXCLUSION_KINDS:
+        if reason.startswith(start):
+            return kind
+    return "non_finite" if reason.endswith("non-finite values") else "malformed"
+
+
 def _metadata_problem(meta, step: int, rule: tuple[str, int]) -> str | None:
     """Why a member's gathered metadata rules it out (before any download), or None."""
     if not isinstance(meta, dict) or not is_int(meta.get("step")):

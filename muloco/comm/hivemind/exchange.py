@@ -61,6 +61,7 @@ from muloco.comm.hivemind.combine import (
     _metadata_problem,
     contribution_norm,
     contribution_problem,
+    exclusion_kind,
     norm_outliers,
     unauthenticated_metadata,
 )
@@ -98,6 +99,18 @@ class AverageResult:
     @property
     def contributors(self) -> int:
         return self.group_size - self.excluded if self.averaged else int(self.mean is not None)
+
+    def exclusions(self, own: str) -> tuple[int, dict[str, int]]:
+        """(1 if this peer's own contribution was left out as non-finite, else 0; the other exclusions
+        counted by kind, combine.exclusion_kind)."""
+        own_non_finite, kinds = 0, {}
+        for peer, reason in self.excluded_reasons.items():
+            kind = exclusion_kind(reason)
+            if peer == own and kind == "non_finite":
+                own_non_finite = 1
+            else:
+                kinds[kind] = kinds.get(kind, 0) + 1
+        return own_non_finite, kinds
 
 
 class AveragingHandle:
@@ -258,7 +271,13 @@ class FragmentSync:
         seconds["combine"] = time.perf_counter() - t2
         if mean is None or contribution_problem(mean, self.shapes) is not None:
             # Nobody else's contribution is usable, or finite inputs overflowed: as if there were no group.
-            result = self._no_group(own, seconds, own_excluded=str(self.peer_id) in reasons)
+            # A peer behind its group (the others at a later step) does not go its own way: it loads the
+            # swarm's state after the sync (sync/swarm.py).
+            behind = any(
+                exclusion_kind(reasons.get(str(peer), "")) == "other_step" and meta["step"] > own.step
+                for peer, meta in members.items()
+            )
+            result = self._no_group(own, seconds, str(self.peer_id) in reasons, behind)
             result.group_size, result.excluded, result.excluded_reasons = len(members), len(reasons), reasons
             result.digests = digests
             return result
@@ -301,10 +320,14 @@ class FragmentSync:
             return None
         return gathered
 
-    def _no_group(self, own: _Contribution, seconds: dict, own_excluded: bool = False) -> AverageResult:
-        apply_own = self.settings.on_no_group == "apply_own" and own.decoded is not None and not own_excluded
+    def _no_group(
+        self, own: _Contribution, seconds: dict, own_excluded: bool = False, behind: bool = False
+    ) -> AverageResult:
+        apply_own = self.settings.on_no_group == "apply_own" and own.decoded is not None
+        apply_own = apply_own and not (own_excluded or behind)
         mean = [t.clone() for t in own.decoded] if apply_own else None
-        log.info("hivemind step=%d: no group, %s", own.step, "applying own" if apply_own else "skipping")
+        outcome = "applying own" if apply_own else "skipping (behind the group)" if behind else "skipping"
+        log.info("hivemind step=%d: no group, %s", own.step, outcome)
         return AverageResult(mean, 1, 0, False, {}, dict(seconds))
 
     def _tokens_to_fetch(

@@ -40,6 +40,7 @@ def progress_key(run_id: str) -> str:
 class ProgressRecord:
     progress: int  # the peer's fragment syncs
     digest: bytes  # its global state's digest (sync/digest.py, state_digest); b"" before its first
+    published: float = 0.0  # when (DHT time: expiration - ttl; peers' clocks may differ by their skew)
 
 
 def record_problem(auth: SwarmAuth, peer: PeerID, value: object, expiration: float) -> str | None:
@@ -149,7 +150,7 @@ class ProgressRecords:
             except Exception:
                 continue  # not a peer id: nobody to blame
             if record_problem(self.auth, peer, entry.value, entry.expiration_time) is None:
-                out[peer] = ProgressRecord(entry.value[0], entry.value[1])
+                out[peer] = ProgressRecord(entry.value[0], entry.value[1], entry.expiration_time - self.ttl)
         return out
 
     def by_peer(self) -> dict[str, int]:

@@ -7,7 +7,10 @@ import torch
 
 pytest.importorskip("hivemind")
 
-from muloco.comm.hivemind import contribution_problem, norm_outliers  # noqa: E402
+from muloco.comm.hivemind import AverageResult, contribution_problem, norm_outliers, wrap_payload  # noqa: E402
+from muloco.comm.hivemind.auth import SwarmAuth  # noqa: E402
+from muloco.comm.hivemind.combine import _metadata_problem, exclusion_kind  # noqa: E402
+from muloco.comm.hivemind.transfer import checked_download  # noqa: E402
 from muloco.sync.aggregate import aggregate  # noqa: E402
 
 
@@ -32,3 +35,31 @@ def test_norm_outliers_use_the_lower_median():
 def test_mean_in_order():
     mean = aggregate([[torch.tensor([1.0, 2.0])], [torch.tensor([3.0, 6.0])]], "mean")
     assert torch.equal(mean[0], torch.tensor([2.0, 4.0]))
+
+
+def test_every_exclusion_reason_has_its_kind_and_only_own_non_finite_is_left_out():
+    """Issue 37: each reason the exchange, the transfer and the checks give, by kind (a peer at another
+    step must never read as non-finite)."""
+    shapes = [torch.Size([2])]
+    reasons = {
+        _metadata_problem({"step": 3, "rule": ["mean", 1], "token": b"t" * 16}, 5, ("mean", 1)): "other_step",
+        _metadata_problem({"step": 5, "rule": ["mean", 1], "token": None}, 5, ("mean", 1)): "non_finite",
+        _metadata_problem({"step": 5, "rule": ["median", 1], "token": b"t" * 16}, 5, ("mean", 1)): "rule",
+        _metadata_problem({"step": "5"}, 5, ("mean", 1)): "malformed",
+        contribution_problem([torch.tensor([math.nan, 0.0])], shapes): "non_finite",
+        contribution_problem([torch.zeros(3)], shapes): "malformed",
+        checked_download([], b"t", [], shapes): "download",
+        checked_download([wrap_payload(b"x")], b"not its token", [], shapes): "token_mismatch",
+        checked_download("download timed out after 5.0 s", b"t", [], shapes): "download",
+        next(iter(norm_outliers({"a": 1.0, "b": 1.0, "c": 50.0}, 10.0).values())): "outlier",
+        SwarmAuth("run", b"k" * 32).check("peer", "group metadata", b"forged", 1): "auth",
+        SwarmAuth("run", allowed_peers=["other"]).check("peer", "group metadata", b"", 1): "auth",
+        "withheld by its peer: tensor 0 holds non-finite values": "non_finite",
+        "undecodable: 1 payloads, expected 2": "malformed",
+    }
+    assert {reason: exclusion_kind(reason) for reason in reasons} == reasons
+    result = AverageResult(
+        None, 4, 3, True, {"me": "withheld by its peer: x", "a": "at outer step 2, this peer at 5"}
+    )
+    assert result.exclusions("me") == (1, {"other_step": 1})
+    assert result.exclusions("a") == (0, {"non_finite": 1, "other_step": 1})

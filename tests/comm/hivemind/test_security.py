@@ -55,7 +55,8 @@ def start_peer(overrides: list[str], name: str, index: int, extra: list[str], ro
 
 def run_swarm(honest: int, overrides: list[str], identities: Path, key: Path, rogue: dict | None = None):
     """`honest` peers with stable identities and the key, plus an optional rogue peer (rogue: its
-    rogue_peer.py flags, whether it holds the key); returns each process's stderr by name."""
+    rogue_peer.py flags, whether it holds the key, and "finishes": an honest peer with a handicap, whose run
+    must end as the others' do); returns each process's stderr by name."""
     auth = [f"backend.hivemind.auth.key_file={key}"]
     processes, readers = {}, {}
 
@@ -75,9 +76,9 @@ def run_swarm(honest: int, overrides: list[str], identities: Path, key: Path, ro
             )
         # The honest peers' runs are what the tests judge; a rogue without the key cannot sync and would
         # go on alone through its averaging timeouts (~85 s): it is ended once the honest peers are done.
-        for name, p in processes.items():
-            if name != "rogue":
-                p.wait(timeout=RUN_S)
+        finishes = {name for name in processes if name != "rogue" or rogue.get("finishes")}
+        for name in finishes:
+            processes[name].wait(timeout=RUN_S)
     finally:
         for p in processes.values():
             p.kill()
@@ -88,7 +89,7 @@ def run_swarm(honest: int, overrides: list[str], identities: Path, key: Path, ro
     for name, p in processes.items():
         output_dir = next(o for o in overrides if o.startswith("run.output_dir=")).split("=", 1)[1]
         Path(output_dir, f"{name}.log").write_text(logs[name])  # kept for a failure's diagnosis
-        assert name == "rogue" or p.returncode == 0, f"{name}: " + logs[name][-3000:]
+        assert name not in finishes or p.returncode == 0, f"{name}: " + logs[name][-3000:]
     return logs
 
 
@@ -185,15 +186,16 @@ def test_an_insider_is_contained_by_trimmed_mean_and_not_by_the_mean(tmp_path, T
     assert (with_mean - honest) / honest > 0.1, (honest, trimmed, with_mean)
 
 
-def test_a_peer_whose_model_drifted_is_realigned_by_its_group_at_the_next_sync(tmp_path, TINY):
+def test_a_peer_whose_model_drifted_is_realigned_at_the_next_sync_or_by_the_final_agreement(tmp_path, TINY):
     """Consistency (docs/security.md): peer 2 nudges its global parameters after its 2nd sync, as if it had
     averaged another set of contributions than the others. Its 3rd sync's group sees its digest differ
-    from the majority's; it loads the majority's state, and all three end bitwise equal."""
+    from the majority's; it loads the majority's state. It drifts again after the last (6th) sync, where
+    no group follows: the final agreement realigns it, and all three end bitwise equal."""
     key, identities = tmp_path / "swarm.key", tmp_path / "ids"
     write_key(str(key))
     identities.mkdir()
     overrides = swarm_overrides(tmp_path / "run", TINY, 3, 6144)
-    rogue = {"index": 2, "key": True, "flags": ["--drift-after", "2"]}
+    rogue = {"index": 2, "key": True, "flags": ["--drift-after", "2", "6"], "finishes": True}
     logs = run_swarm(2, overrides, identities, key, rogue)
     names = ("peer0", "peer1", "rogue")
     flagged = {
@@ -205,6 +207,10 @@ def test_a_peer_whose_model_drifted_is_realigned_by_its_group_at_the_next_sync(t
     # majority rule's tie-break picks one model and the others load it: either way, someone realigned there.
     assert any(2 in indices for indices in flagged.values()), flagged
     assert any("differed from its group's majority" in logs[name] for name in names)
+    assert "final model differs from the swarm's majority" in logs["rogue"]
+    ends = [summary(tmp_path / "run" / name) for name in names]
+    assert [s["realigned_at_end"] for s in ends] == [False, False, True]
+    assert len({s["final_state_digest"] for s in ends}) == 1
     final = [final_params(tmp_path / "run" / name) for name in names]
     for other in final[1:]:
         assert all(torch.equal(a, b) for a, b in zip(final[0], other, strict=True))
@@ -225,3 +231,48 @@ def test_a_peer_list_without_this_peer_exits_2_in_one_line(tmp_path, TINY):
     assert last.startswith(
         "muloco: error: backend.hivemind.auth.allowed_peers does not list this peer's own id"
     )
+
+
+# Time (~30 s): one swarm of 4 (3 honest peers and the insider), 5 syncs.
+def test_an_insider_sending_malformed_payloads_at_every_sync_cannot_stop_the_others(tmp_path, TINY):
+    """Issue 37: an excluded contribution is not a non-finite replica. The insider holds the key and serves
+    payloads that do not decode at every sync; the honest peers exclude them as malformed (more syncs in a
+    row than train.max_bad_syncs = 3), count them in summary.json by kind, and finish with one model."""
+    key, identities = tmp_path / "swarm.key", tmp_path / "ids"
+    write_key(str(key))
+    identities.mkdir()
+    overrides = swarm_overrides(tmp_path / "run", TINY, 4, 7680)  # 15 steps: 5 syncs
+    rogue = {"index": 3, "key": True, "flags": ["--malformed"]}
+    logs = run_swarm(3, overrides, identities, key, rogue)
+    honest = [tmp_path / "run" / f"peer{i}" for i in range(3)]
+    for run_dir in honest:
+        done = summary(run_dir)
+        assert done["status"] == "completed", logs[run_dir.name][-2000:]
+        assert done["outer_steps"] == 5
+        assert done["contributions_excluded"].get("malformed", 0) >= 4, done["contributions_excluded"]
+        assert all(r["replicas_left_out"] == 0 for r in syncs(run_dir))
+    final = [final_params(run_dir) for run_dir in honest]
+    for other in final[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(final[0], other, strict=True))
+
+
+# Time (~35 s): a swarm of 3 whose slow member sleeps 1.5 s in each of its first 6 steps (~9 s behind).
+def test_a_slow_peer_falls_behind_catches_up_and_finishes_with_the_others(tmp_path, TINY):
+    """Issue 37: a peer behind the swarm loads its state instead of going its own way (nor ending its run
+    as if it diverged), then syncs with the others again; all three end bitwise equal."""
+    key, identities = tmp_path / "swarm.key", tmp_path / "ids"
+    write_key(str(key))
+    identities.mkdir()
+    overrides = swarm_overrides(tmp_path / "run", TINY, 3, 9216)  # 24 steps: 8 syncs
+    slow = ["--sleep-per-step", "1.5", "--slow-steps", "6"]
+    rogue = {"index": 2, "key": True, "flags": slow, "finishes": True}
+    logs = run_swarm(2, overrides, identities, key, rogue)
+    names = ("peer0", "peer1", "rogue")
+    assert "this peer is behind" in logs["rogue"], logs["rogue"][-3000:]
+    for name in names:
+        done = summary(tmp_path / "run" / name)
+        assert done["status"] == "completed", logs[name][-2000:]
+        assert all(r["replicas_left_out"] == 0 for r in syncs(tmp_path / "run" / name))
+    final = [final_params(tmp_path / "run" / name) for name in names]
+    for other in final[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(final[0], other, strict=True))
