@@ -70,7 +70,8 @@ def main() -> int:
                 runs[test].append({"repeat": i, **row})
                 verdict = "pass" if row["passed"] else "FAIL"
                 print(
-                    f"{i:>3}  {verdict:<5} {row['seconds']:>7.1f} s  {test.split('::')[-1]}  {row['result']}"
+                    f"{i:>3}  {verdict:<5} {row['seconds']:>7.1f} s  {test.split('::')[-1]}  {row['result']}",
+                    flush=True,
                 )
     finally:
         for b in burners:

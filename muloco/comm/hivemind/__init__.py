@@ -13,7 +13,8 @@ The sync engine reaches the swarm through `muloco.sync.swarm.SwarmReducer` (the 
 - `progress.py`: the peers' outer steps in the DHT (who is behind).
 - `settings.py`: `derive_timeouts` (timeouts from the sync size), `SyncTimeouts`, `is_loopback`, constants.
 - `payloads.py`: `MulocoCompression`, hivemind's CompressionBase over a muloco compressor; payload hashes.
-- `combine.py`: the pure rules that decide which contributions are averaged, and the mean.
+- `combine.py`: the pure rules that decide which contributions are averaged, and the mean; exclusion kinds.
+- `mismatch.py`: diagnostics for payloads that do not match their token (MULOCO_PAYLOAD_DUMP).
 """
 
 from muloco.comm.hivemind.combine import contribution_norm, contribution_problem, norm_outliers

@@ -62,6 +62,7 @@ EXCLUSION_KINDS = (
     ("at outer step", "other_step"),
     ("withheld by its peer", "non_finite"),
     ("payloads do not match the token", "token_mismatch"),
+    ("payloads arrived cut short", "truncated"),
     ("download", "download"),
     ("payload unavailable", "download"),
     ("not in backend.hivemind.auth.allowed_peers", "auth"),

@@ -254,6 +254,7 @@ class FragmentSync:
             requests=requests,
             limit=download_limit(self.timeouts.sync_bytes, len(self.shapes)),
             timeout=self.timeouts.averaging_timeout,
+            messages=len(self.shapes),
         )
         seconds["exchange"] = time.perf_counter() - t1
 

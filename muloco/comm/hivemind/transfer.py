@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -17,6 +18,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from muloco.comm.hivemind import mismatch
 from muloco.comm.hivemind.auth import SwarmAuth
 from muloco.comm.hivemind.combine import contribution_problem
 from muloco.comm.hivemind.payloads import MulocoCompression, payload_token
@@ -61,6 +63,10 @@ class PayloadServer:
 
     def offer(self, fragment: int, token: bytes, messages: list[runtime_pb2.Tensor]) -> None:
         """Serve `messages` under `token` until SERVED_SYNCS newer syncs of this fragment replace them."""
+        if (dump := mismatch.dump_dir()) is not None:  # diagnostics (mismatch.py): what was meant
+            mismatch.write_atomic(
+                dump / "served" / f"{token.hex()}.bin", mismatch.encode([m.buffer for m in messages])
+            )
         with self.lock:
             served = self.served[fragment]
             served[token] = messages
@@ -140,6 +146,18 @@ async def _download(p2p, name: str, peer: PeerID, request: bytes, limit: int) ->
     return messages
 
 
+def cut_short(got: list[runtime_pb2.Tensor], messages: int) -> str | None:
+    """How a download was cut short (fewer than the fragment's `messages`, or a message holding fewer bytes
+    than it declares: wrap_payload's size), or None."""
+    if len(got) < messages:
+        return f"{len(got)} of {messages} messages"
+    for i, m in enumerate(got):
+        declared = list(m.size)
+        if len(declared) == 1 and len(m.buffer) < declared[0]:
+            return f"message {i} holds {len(m.buffer)} of {declared[0]} bytes"
+    return None
+
+
 def download_limit(sync_bytes: int, tensors: int) -> int:
     """The most a member's payloads of a fragment may take on the wire, with every message's overhead
     counted: more than ours take (64 KiB of slack), so a member sending more is a bad peer."""
@@ -156,19 +174,32 @@ def download_all(
     requests: dict[PeerID, bytes],
     limit: int,
     timeout: float,
+    messages: int,
 ) -> dict[PeerID, list[runtime_pb2.Tensor] | str]:
     """Every member's payloads from handler `name`, concurrently on `loop` (lifecycle._EventLoopThread),
     each within `timeout`; requests[peer] is what to ask it (the token and this peer's tag). Failures as
     reasons. Blocks at most timeout + HANDLE_SLACK_S."""
 
     async def attempts(peer: PeerID, token: bytes):
-        # A download whose bytes do not hash to the announced token is asked for again: under load some
-        # arrived altered (seen on 2 busy cores), and a member that drops a contribution the others keep
-        # leaves the group's models apart until the next sync's digests realign it.
+        # A download cut short, or whose bytes do not hash to the announced token, is asked for again: a
+        # member that drops a contribution the others keep leaves the group's models apart until the
+        # digests realign it. Under load some arrived cut short: hivemind's P2P reads a response stream
+        # that the connection ends early as a complete one (docs/reliability.md), so the messages' count
+        # and declared sizes are checked first.
         for attempt in range(DOWNLOAD_ATTEMPTS):
             got = await _download(p2p, name, peer, requests[peer], limit)
+            short = cut_short(got, messages) if got else None
+            if short is not None:
+                log.warning(
+                    "hivemind: payloads from peer=%s arrived cut short (%s; attempt %d): asking again",
+                    *(peer, short, attempt + 1),
+                )
+                continue
             if not got or payload_token(got) == token:
                 return got
+            if (dump := mismatch.dump_dir()) is not None:  # diagnostics (mismatch.py): what arrived
+                where = dump / "received" / f"{os.getpid()}-{peer}-{token.hex()}-{attempt}.bin"
+                mismatch.write_atomic(where, mismatch.encode([m.buffer for m in got]))
             log.warning(
                 "hivemind: payloads from peer=%s do not match its token (%d messages, %d bytes; attempt %d)",
                 *(peer, len(got), sum(len(m.buffer) for m in got), attempt + 1),
@@ -215,6 +246,8 @@ def checked_download(
         return got  # the download failed
     if not got:
         return "payload unavailable (the peer left, or no longer serves it)"
+    if (short := cut_short(got, len(codecs))) is not None:
+        return f"payloads arrived cut short: {short}"
     if payload_token(got) != token:
         return "payloads do not match the token the peer announced"
     try:

@@ -8,7 +8,7 @@
 --drift-after N... after its N-th sync (each N given) it nudges its own global parameters (as if it had
                    averaged another set of contributions than its group): its next group must notice and
                    realign it, or after the run's last sync the final agreement
---malformed        every sync it serves payloads that do not decode (one message short), under their true
+--malformed        every sync it serves payloads that do not decode (one message too many), under their true
                    token: every other member downloads them and must exclude them as malformed
 --sleep-per-step S an honest but slow peer: it sleeps S seconds in each of its first --slow-steps inner
                    steps, falls behind the swarm and must catch up by loading its state
@@ -62,8 +62,8 @@ def main() -> int:
 
     def own_contribution(self, step, messages):
         own = honest_own_contribution(self, step, messages)
-        if own.messages is not None and len(own.messages) > 1:
-            own.messages = own.messages[:-1]  # decoded as its own, served one short
+        if own.messages is not None:
+            own.messages = [*own.messages, own.messages[-1]]  # decoded as its own, served one too many
             own.token = payload_token(own.messages)
         return own
 

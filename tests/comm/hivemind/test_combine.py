@@ -51,6 +51,7 @@ def test_every_exclusion_reason_has_its_kind_and_only_own_non_finite_is_left_out
         checked_download([], b"t", [], shapes): "download",
         checked_download([wrap_payload(b"x")], b"not its token", [], shapes): "token_mismatch",
         checked_download("download timed out after 5.0 s", b"t", [], shapes): "download",
+        checked_download([wrap_payload(b"x")], b"t", [None, None], shapes): "truncated",
         next(iter(norm_outliers({"a": 1.0, "b": 1.0, "c": 50.0}, 10.0).values())): "outlier",
         SwarmAuth("run", b"k" * 32).check("peer", "group metadata", b"forged", 1): "auth",
         SwarmAuth("run", allowed_peers=["other"]).check("peer", "group metadata", b"", 1): "auth",

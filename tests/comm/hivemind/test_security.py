@@ -188,9 +188,10 @@ def test_an_insider_is_contained_by_trimmed_mean_and_not_by_the_mean(tmp_path, T
 
 def test_a_peer_whose_model_drifted_is_realigned_at_the_next_sync_or_by_the_final_agreement(tmp_path, TINY):
     """Consistency (docs/security.md): peer 2 nudges its global parameters after its 2nd sync, as if it had
-    averaged another set of contributions than the others. Its 3rd sync's group sees its digest differ
-    from the majority's; it loads the majority's state. It drifts again after the last (6th) sync, where
-    no group follows: the final agreement realigns it, and all three end bitwise equal."""
+    averaged another set of contributions than the others. The next sync whose group holds it and another
+    peer sees its digest differ from the majority's; it loads the majority's state. It drifts again after
+    the last (6th) sync, where no group follows: the final agreement realigns it, and all three end
+    bitwise equal."""
     key, identities = tmp_path / "swarm.key", tmp_path / "ids"
     write_key(str(key))
     identities.mkdir()
@@ -198,18 +199,18 @@ def test_a_peer_whose_model_drifted_is_realigned_at_the_next_sync_or_by_the_fina
     rogue = {"index": 2, "key": True, "flags": ["--drift-after", "2", "6"], "finishes": True}
     logs = run_swarm(2, overrides, identities, key, rogue)
     names = ("peer0", "peer1", "rogue")
-    flagged = {
-        name: [i for i, r in enumerate(syncs(tmp_path / "run" / name)) if r.get("state_reference")]
-        for name in names
-    }
-    # The 3rd sync, the first after the drift, caught it. Usually the drifted peer is the minority and
-    # reloads; if a member also left a contribution out earlier (CI saw three different digests), the
-    # majority rule's tie-break picks one model and the others load it: either way, someone realigned there.
-    assert any(2 in indices for indices in flagged.values()), flagged
-    assert any("differed from its group's majority" in logs[name] for name in names)
-    assert "final model differs from the swarm's majority" in logs["rogue"]
+    records = {name: syncs(tmp_path / "run" / name) for name in names}
+    # Realigned during the run: usually at the 3rd sync, the first after the drift. Under load the drifted
+    # peer may miss that group (then, alone or behind, it loads the swarm's state); if a member also left a
+    # contribution out (CI saw three different digests), the majority rule's tie-break picks one model and
+    # the others load it: either way, someone realigned after the 2nd sync and before the last.
+    realigned = [name for name in names if any(r.get("state_reference") for r in records[name][2:-1])]
+    assert realigned or "loading the swarm's state" in logs["rogue"], records
+    # The drift after the last sync: no group follows, the final agreement realigns the minority (the
+    # nudged peer, unless the honest two also differed from each other at the end).
+    assert any("final model differs from the swarm's majority" in logs[name] for name in names)
     ends = [summary(tmp_path / "run" / name) for name in names]
-    assert [s["realigned_at_end"] for s in ends] == [False, False, True]
+    assert any(s["realigned_at_end"] for s in ends)
     assert len({s["final_state_digest"] for s in ends}) == 1
     final = [final_params(tmp_path / "run" / name) for name in names]
     for other in final[1:]:
@@ -236,12 +237,13 @@ def test_a_peer_list_without_this_peer_exits_2_in_one_line(tmp_path, TINY):
 # Time (~30 s): one swarm of 4 (3 honest peers and the insider), 5 syncs.
 def test_an_insider_sending_malformed_payloads_at_every_sync_cannot_stop_the_others(tmp_path, TINY):
     """Issue 37: an excluded contribution is not a non-finite replica. The insider holds the key and serves
-    payloads that do not decode at every sync; the honest peers exclude them as malformed (more syncs in a
-    row than train.max_bad_syncs = 3), count them in summary.json by kind, and finish with one model."""
+    payloads that do not decode at every sync; the honest peers exclude them as malformed, count them in
+    summary.json by kind, and finish with one model. train.max_bad_syncs = 1, so that one exclusion taken
+    for divergence would end a run (under load the insider misses some groups: another step)."""
     key, identities = tmp_path / "swarm.key", tmp_path / "ids"
     write_key(str(key))
     identities.mkdir()
-    overrides = swarm_overrides(tmp_path / "run", TINY, 4, 7680)  # 15 steps: 5 syncs
+    overrides = [*swarm_overrides(tmp_path / "run", TINY, 4, 7680), "train.max_bad_syncs=1"]  # 5 syncs
     rogue = {"index": 3, "key": True, "flags": ["--malformed"]}
     logs = run_swarm(3, overrides, identities, key, rogue)
     honest = [tmp_path / "run" / f"peer{i}" for i in range(3)]
@@ -249,7 +251,7 @@ def test_an_insider_sending_malformed_payloads_at_every_sync_cannot_stop_the_oth
         done = summary(run_dir)
         assert done["status"] == "completed", logs[run_dir.name][-2000:]
         assert done["outer_steps"] == 5
-        assert done["contributions_excluded"].get("malformed", 0) >= 4, done["contributions_excluded"]
+        assert done["contributions_excluded"].get("malformed", 0) >= 1, done["contributions_excluded"]
         assert all(r["replicas_left_out"] == 0 for r in syncs(run_dir))
     final = [final_params(run_dir) for run_dir in honest]
     for other in final[1:]:
@@ -263,7 +265,8 @@ def test_a_slow_peer_falls_behind_catches_up_and_finishes_with_the_others(tmp_pa
     key, identities = tmp_path / "swarm.key", tmp_path / "ids"
     write_key(str(key))
     identities.mkdir()
-    overrides = swarm_overrides(tmp_path / "run", TINY, 3, 9216)  # 24 steps: 8 syncs
+    # 24 steps: 8 syncs. max_bad_syncs = 1: one exclusion taken for divergence would end a run.
+    overrides = [*swarm_overrides(tmp_path / "run", TINY, 3, 9216), "train.max_bad_syncs=1"]
     slow = ["--sleep-per-step", "1.5", "--slow-steps", "6"]
     rogue = {"index": 2, "key": True, "flags": slow, "finishes": True}
     logs = run_swarm(2, overrides, identities, key, rogue)
