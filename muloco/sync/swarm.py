@@ -300,7 +300,7 @@ class SwarmReducer:
                 left = max(1.0, deadline - time.monotonic())
                 if self._load(state, replicas, _peer(reference[0]), final, {reference[1]}, left):
                     self._serve(state)  # the others see it agree at the next look
-                    realigned = True
+                    realigned, reference, finished[me] = True, None, self.digest
             if time.monotonic() > deadline:
                 break
             time.sleep(0.25)

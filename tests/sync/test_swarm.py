@@ -240,6 +240,21 @@ def test_a_peer_whose_final_model_differs_from_the_majority_loads_it():
     assert engine.conclusion["realigned_at_end"] is True
 
 
+def test_a_load_that_ends_past_the_deadline_still_counts():
+    engine, replica, swarm = concluding({}, 0.75)
+    majority = state_digest(swarm.donor_state[0])
+    swarm.peer_records = lambda: {p: Record(3, majority, time.time()) for p in PEERS[:2]}
+    honest_load = swarm.load_state_from_peers
+
+    def slow_load(*args, **kwargs):
+        time.sleep(1.2)  # beyond the 1 s deadline
+        return honest_load(*args, **kwargs)
+
+    swarm.load_state_from_peers = slow_load
+    engine.conclude([replica], on_failure=pytest.fail)
+    assert engine.conclusion["realigned_at_end"] is True
+
+
 def test_a_peer_that_cannot_load_the_majoritys_model_fails_after_its_checkpoint():
     majority = b"m" * 16
     engine, replica, swarm = concluding({PEERS[0]: (3, majority, 0), PEERS[1]: (3, majority, 0)})
