@@ -7,7 +7,8 @@
                    it would think they are behind and reload state)
 --drift-after N... after its N-th sync (each N given) it nudges its own global parameters (as if it had
                    averaged another set of contributions than its group): its next group must notice and
-                   realign it, or after the run's last sync the final agreement
+                   realign it
+--drift-at-end     the same nudge once its run's syncs are over: the final agreement must realign it
 --malformed        every sync it serves payloads that do not decode (one message too many), under their true
                    token: every other member downloads them and must exclude them as malformed
 --sleep-per-step S an honest but slow peer: it sleeps S seconds in each of its first --slow-steps inner
@@ -38,6 +39,7 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--fake-progress", type=int, default=None)
     parser.add_argument("--drift-after", type=int, nargs="*", default=[])
+    parser.add_argument("--drift-at-end", action="store_true")
     parser.add_argument("--malformed", action="store_true")
     parser.add_argument("--sleep-per-step", type=float, default=0.0)
     parser.add_argument("--slow-steps", type=int, default=10**9)
@@ -45,7 +47,7 @@ def main() -> int:
     args = parser.parse_args()
 
     honest_pseudogradient, honest_publish = Replica.pseudogradient, ProgressRecords.publish
-    honest_after_sync = SwarmReducer.after_sync
+    honest_after_sync, honest_conclude = SwarmReducer.after_sync, SwarmReducer.conclude
     honest_own_contribution, honest_train_step = FragmentSync.own_contribution, Replica.train_step
 
     def pseudogradient(self, global_params, indices=None):
@@ -59,6 +61,12 @@ def main() -> int:
             with torch.no_grad():
                 state.global_params[0].add_(1e-3)
         honest_after_sync(self, state, mean, replicas)
+
+    def conclude(self, state, replicas):
+        if args.drift_at_end:
+            with torch.no_grad():
+                state.global_params[0].add_(1e-3)
+        return honest_conclude(self, state, replicas)
 
     def own_contribution(self, step, messages):
         own = honest_own_contribution(self, step, messages)
@@ -81,7 +89,7 @@ def main() -> int:
     if args.sleep_per_step:
         Replica.train_step = train_step
     ProgressRecords.publish = publish
-    SwarmReducer.after_sync = after_sync
+    SwarmReducer.after_sync, SwarmReducer.conclude = after_sync, conclude
     return cli.main([a for a in args.muloco_args if a != "--"])
 
 

@@ -189,14 +189,14 @@ def test_an_insider_is_contained_by_trimmed_mean_and_not_by_the_mean(tmp_path, T
 def test_a_peer_whose_model_drifted_is_realigned_at_the_next_sync_or_by_the_final_agreement(tmp_path, TINY):
     """Consistency (docs/security.md): peer 2 nudges its global parameters after its 2nd sync, as if it had
     averaged another set of contributions than the others. The next sync whose group holds it and another
-    peer sees its digest differ from the majority's; it loads the majority's state. It drifts again after
-    the last (6th) sync, where no group follows: the final agreement realigns it, and all three end
+    peer sees its digest differ from the majority's; it loads the majority's state. It drifts again once
+    its syncs are over, where no group follows: the final agreement realigns it, and all three end
     bitwise equal."""
     key, identities = tmp_path / "swarm.key", tmp_path / "ids"
     write_key(str(key))
     identities.mkdir()
     overrides = swarm_overrides(tmp_path / "run", TINY, 3, 6144)
-    rogue = {"index": 2, "key": True, "flags": ["--drift-after", "2", "6"], "finishes": True}
+    rogue = {"index": 2, "key": True, "flags": ["--drift-after", "2", "--drift-at-end"], "finishes": True}
     logs = run_swarm(2, overrides, identities, key, rogue)
     names = ("peer0", "peer1", "rogue")
     records = {name: syncs(tmp_path / "run" / name) for name in names}
@@ -206,8 +206,8 @@ def test_a_peer_whose_model_drifted_is_realigned_at_the_next_sync_or_by_the_fina
     # the others load it: either way, someone realigned after the 2nd sync and before the last.
     realigned = [name for name in names if any(r.get("state_reference") for r in records[name][2:-1])]
     assert realigned or "loading the swarm's state" in logs["rogue"], records
-    # The drift after the last sync: no group follows, the final agreement realigns the minority (the
-    # nudged peer, unless the honest two also differed from each other at the end).
+    # The drift at the end: no group follows, the final agreement realigns the minority (the nudged peer,
+    # unless the honest two also differed from each other at the end).
     assert any("final model differs from the swarm's majority" in logs[name] for name in names)
     ends = [summary(tmp_path / "run" / name) for name in names]
     assert any(s["realigned_at_end"] for s in ends)
