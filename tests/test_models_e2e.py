@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from test_helpers import run_muloco as muloco
+from test_helpers import run_muloco_here
 
 from muloco.tools.sample import sample_run
 
@@ -115,20 +116,19 @@ def test_sample_from_a_byte_level_run_decodes_bytes(tmp_path, tiny):
     assert greedy[0].startswith("def ")
 
 
-@pytest.mark.slow  # processes of their own (CLI runs or ranks): 5-17 s on 2 cores
 def test_sample_errors_are_one_line(tmp_path):
     for args, needle in (
         ([tmp_path], "has no config.yaml"),
         ([ROOT / "configs"], "has no config.yaml"),
     ):
-        result = muloco("sample", *args)
+        result = run_muloco_here("sample", *args)
         assert result.returncode == 2 and needle in result.stderr and len(result.stderr.splitlines()) == 1
     run_dir = tmp_path / "fresh"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text((ROOT / "configs/quickstart.yaml").read_text())
-    result = muloco("sample", run_dir)
+    result = run_muloco_here("sample", run_dir)
     assert result.returncode == 2 and "no checkpoint yet" in result.stderr, result.stderr
-    result = muloco("sample", run_dir, "--tokens", "0")
+    result = run_muloco_here("sample", run_dir, "--tokens", "0")
     assert result.returncode == 2 and "--tokens" in result.stderr
 
 
@@ -147,7 +147,7 @@ def test_cli_errors_for_models_and_data_are_one_line_exit_2(tmp_path, command, n
         ROOT / "configs/quickstart.yaml" if a == "QS" else tmp_path / "out" if a == "OUT" else a
         for a in command
     ]
-    result = muloco(*args)
+    result = run_muloco_here(*args)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], result.stderr
 

@@ -288,7 +288,8 @@ class SyncConfig(Section):
         1,
         ge=1,
         description="trimmed_mean: contributions dropped at each end per coordinate (it tolerates this many "
-        "bad members; at most (n - 1) / 2 of n are dropped).",
+        "bad members; at most (n - 1) / 2 of n are dropped). In a swarm, a group left with fewer than "
+        "2 x trim + 1 usable contributions combines nothing (as no group).",
     )
 
     @model_validator(mode="after")

@@ -50,6 +50,12 @@ def aggregate(
     return out
 
 
+def robust_minimum(trim: int) -> int:
+    """The fewest contributions among which trimmed_mean still drops `trim` at each end and keeps one:
+    2 x trim + 1 (Yin et al. 2018's condition for tolerating `trim` bad ones)."""
+    return 2 * trim + 1
+
+
 def trimmed_per_side(n: int, trim: int) -> int:
     """How many values trimmed_mean drops at each end of n: trim, but always keeping at least one."""
     return max(0, min(trim, (n - 1) // 2))

@@ -11,7 +11,13 @@ import psutil
 import pytest
 import torch
 from conftest import TINY
-from test_helpers import assert_equal_up_to_rounding, run_combo_ranks, run_muloco, start_muloco
+from test_helpers import (
+    assert_equal_up_to_rounding,
+    run_combo_ranks,
+    run_muloco,
+    run_muloco_here,
+    start_muloco,
+)
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
@@ -126,14 +132,14 @@ def test_fsdp_workers_equal_replicated_workers(sharding_runs, case):
 
 
 @pytest.mark.slow
-# Time (~61 s): five launches (the reference, the killed run, its resume, the refused other sharding, the
+# Time (~45 s): five launches (the reference, the killed run, its resume, the refused other sharding, the
 # R = 1 resume), four of 4 processes; each is a claim of its own and needs its own processes.
 def test_sharded_checkpoints_resume_bitwise_after_a_kill_and_with_fewer_ranks(tmp_path, TINY):
     """A: the reference run. D: the same run, one rank SIGKILLed after its second checkpoint, then
     resumed (auto): the newest complete checkpoint, and the end bitwise A's. C: A's step-6 checkpoint
     resumed with R = 1 (2 processes): every tensor of the state equal to A's one outer step later."""
     args = [
-        *common(tmp_path, TINY, total_tokens=1024 * 30),
+        *common(tmp_path, TINY, total_tokens=1024 * 18),
         "inner.ns_dtype=fp32",
         "sharding=fsdp",
         "checkpoint.every=1",
@@ -199,7 +205,7 @@ def test_a_sharded_worker_hosts_one_replica(tmp_path, TINY):
     ],
 )
 def test_unsupported_sharded_layouts_exit_2_with_one_line(tmp_path, TINY, bad, message):
-    result = run_muloco("train", QS, *TINY, f"run.output_dir={tmp_path}", "sharding=fsdp", *bad)
+    result = run_muloco_here("train", QS, *TINY, f"run.output_dir={tmp_path}", "sharding=fsdp", *bad)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "sharding=fsdp does not run with" in lines[0] and message in lines[0]

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from test_helpers import run_muloco
+from test_helpers import run_muloco_here
 
 from muloco.cli import main
 from muloco.net.wan import (
@@ -111,7 +111,7 @@ def test_plan_projects_a_configs_run_and_flags_win_over_it(capsys):
     ],
 )
 def test_plan_bad_input_exits_2_with_one_line(args, needle):
-    result = run_muloco("plan", *args, timeout=60)
+    result = run_muloco_here("plan", *args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.stderr

@@ -77,7 +77,7 @@ from muloco.comm.hivemind.transfer import (
 )
 from muloco.compress import CompressionError
 from muloco.config import HivemindBackendConfig
-from muloco.sync.aggregate import aggregate
+from muloco.sync.aggregate import aggregate, robust_minimum
 
 log = logging.getLogger("muloco")
 
@@ -268,10 +268,21 @@ class FragmentSync:
                 "hivemind excluded peer=%s fragment=%d step=%d reason=%s", peer, fragment, own.step, why
             )
         others = any(p != self.peer_id for p in used)
-        mean = aggregate([contributions[p] for p in used], *own.rule) if others else None
+        # trimmed_mean tolerates sync.trim = f bad contributions only among 2f + 1 or more (with fewer it
+        # trims fewer, down to the plain mean of a pair): a group left that small after its exclusions
+        # would let an insider in, so it is combined as no group at all.
+        robust_short = own.rule[0] == "trimmed_mean" and len(used) < robust_minimum(int(own.rule[1]))
+        if robust_short and others:
+            log.warning(
+                "hivemind fragment=%d step=%d: %d usable contributions, fewer than the %d that "
+                "sync.trim=%d needs: combined as no group",
+                *(fragment, own.step, len(used), robust_minimum(int(own.rule[1])), int(own.rule[1])),
+            )
+        mean = aggregate([contributions[p] for p in used], *own.rule) if others and not robust_short else None
         seconds["combine"] = time.perf_counter() - t2
         if mean is None or contribution_problem(mean, self.shapes) is not None:
-            # Nobody else's contribution is usable, or finite inputs overflowed: as if there were no group.
+            # Nobody else's contribution is usable, too few for the robust rule, or finite inputs overflowed:
+            # as if there were no group.
             # A peer behind its group (the others at a later step) does not go its own way: it loads the
             # swarm's state after the sync (sync/swarm.py).
             behind = any(

@@ -5,7 +5,8 @@ fd 1 is pointed at stderr so that library output cannot corrupt the protocol). C
 
     {"cmd": "open", "settings": {...backend.hivemind}, "shapes": [[8, 16], [16]],
      "compression": null | {"scheme": "statistical", "bits": 4}}  -> {"visible_maddrs", "peer_id", "timeouts"}
-    {"cmd": "average", "step": 3, "tensors": [[...], ...], "tamper": null | "nan_payload" | ...}
+    {"cmd": "average", "step": 3, "tensors": [[...], ...], "tamper": null | "nan_payload" | ...,
+     "rule": null | ["trimmed_mean", 1]}
                                                                   -> AverageResult as JSON, plus "elapsed_s"
     {"cmd": "share_state", "tensors": [...], "meta": {...counters}} -> {"digest"}
     {"cmd": "load_state", "like": [...], "timeout": 10} -> {"tensors", "meta", "donor"} | null
@@ -83,8 +84,9 @@ class Peer:
             },
         }
 
-    def average(self, step: int, tensors: list, tamper: str | None = None) -> dict:
+    def average(self, step: int, tensors: list, tamper: str | None = None, rule: list | None = None) -> dict:
         t0 = time.monotonic()
+        combine = (rule[0], int(rule[1])) if rule else ("mean", 1)  # (sync.aggregate, sync.trim)
         if tamper == "stall_serving":
             self.swarm.payloads.served[0] = StalledServing(self.swarm.payloads.served[0])
         if tamper == "nan_payload":
@@ -92,10 +94,10 @@ class Peer:
             payloads = [nan_payload(torch.Size(s)) for s in self.shapes]
             messages = [wrap_payload(p) for p in payloads]
             decoded = [NoCompression().decode(p) for p in payloads]
-            own = _Contribution(step, messages, decoded, None, payload_token(messages))
+            own = _Contribution(step, messages, decoded, None, payload_token(messages), combine)
             handle = self.swarm.fragments[0].launch(own, 0.0)
         else:
-            handle = self.swarm.start_average(0, to_tensors(tensors, self.shapes), step)
+            handle = self.swarm.start_average(0, to_tensors(tensors, self.shapes), step, combine)
         r = handle.wait()
         return {
             "mean": None if r.mean is None else [t.reshape(-1).tolist() for t in r.mean],

@@ -17,7 +17,7 @@ from hivemind.p2p import P2PContext, PeerID  # noqa: E402
 from hivemind.proto import averaging_pb2  # noqa: E402
 from hivemind.utils.serializer import MSGPackSerializer  # noqa: E402
 from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
-from test_helpers import run_muloco  # noqa: E402
+from test_helpers import run_muloco, run_muloco_here  # noqa: E402
 
 from muloco.comm.hivemind.auth import SwarmAuth, read_key, write_key  # noqa: E402
 from muloco.comm.hivemind.exchange import FragmentSync, _Contribution  # noqa: E402
@@ -80,11 +80,10 @@ def test_bad_key_files_are_one_line_config_errors(tmp_path, mode, content, messa
         read_key(str(tmp_path / "missing.key"))
 
 
-@pytest.mark.slow  # processes of their own (CLI runs or ranks): 5-17 s on 2 cores
 def test_the_cli_writes_a_key_and_refuses_to_overwrite_it(tmp_path):
-    first = run_muloco("swarm-key", tmp_path / "k")
+    first = run_muloco_here("swarm-key", tmp_path / "k")
     assert first.returncode == 0 and os.stat(tmp_path / "k").st_mode & 0o777 == 0o600
-    again = run_muloco("swarm-key", tmp_path / "k")
+    again = run_muloco_here("swarm-key", tmp_path / "k")
     assert again.returncode == 2 and again.stderr.strip().count("\n") == 0
     assert "already exists" in again.stderr
 

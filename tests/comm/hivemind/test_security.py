@@ -147,6 +147,11 @@ def swarm_val_loss(tmp_path: Path, TINY: list[str], aggregate: str) -> float:
     identities.mkdir()
     overrides = [*swarm_overrides(tmp_path / aggregate, TINY, 5, 15360), *INSIDER_RUN[3:]]
     overrides.append(f"sync.aggregate={aggregate}")
+    # Only groups of all 5, as the equality with the simulation needs: under load a peer that reaches
+    # matchmaking late was otherwise left out of a smaller group (seen with two test processes at once).
+    # A group starts as soon as all 5 are in; the long window (a sync gives up after 2 x 10 s) is for a
+    # peer 10 s late on a saturated machine, where 2 s found no group at all and each applied its own.
+    overrides += ["backend.hivemind.min_group_size=5", "backend.hivemind.matchmaking_time=10"]
     rogue = {"index": 4, "key": True, "flags": ["--scale", "-4"]}
     run_swarm(4, overrides, identities, key, rogue)
     losses = {summary(tmp_path / aggregate / f"peer{i}")["final_val_loss"] for i in range(4)}
