@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import re
 import subprocess
@@ -27,16 +26,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from burners import burners  # experiments/reliability/burners.py, beside this script
+
 from muloco.comm.hivemind import mismatch
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs/quickstart.yaml")
 SYNC_LINE = re.compile(r"hivemind sync fragment=\d+ step=\d+ group=(\d+)")
-
-
-def burn() -> None:
-    while True:
-        pass
 
 
 def overrides(peers: int, syncs: int, out: Path) -> list[str]:
@@ -134,15 +130,8 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=1200.0)
     args = parser.parse_args()
 
-    burners = [multiprocessing.Process(target=burn, daemon=True) for _ in range(args.burners)]
-    for b in burners:
-        b.start()
-    try:
+    with burners(args.burners):
         rows = [one_run(args, i) for i in range(args.repeats)]
-    finally:
-        for b in burners:
-            b.terminate()
-            b.join(timeout=5)
 
     mode = f"testbed {args.testbed_mbit:g} Mbit/s" if args.testbed_mbit else "loopback"
     print(f"{args.peers} peers, {args.syncs} syncs, {args.burners} burners, {mode}")

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from burners import burners  # experiments/reliability/burners.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[2]
 SWARM_TESTS = [
@@ -29,11 +30,6 @@ SWARM_TESTS = [
     "tests/comm/hivemind/test_security.py::test_a_slow_peer_falls_behind_catches_up_and_finishes_with_the_others",
     "tests/comm/hivemind/test_security.py::test_an_intruder_without_the_key_changes_nothing_and_is_named",
 ]
-
-
-def burn() -> None:
-    while True:
-        pass
 
 
 def run_once(test: str, timeout_s: float) -> dict:
@@ -59,11 +55,8 @@ def main() -> int:
     args = parser.parse_args()
     tests = args.test or SWARM_TESTS
 
-    burners = [multiprocessing.Process(target=burn, daemon=True) for _ in range(args.burners)]
-    for b in burners:
-        b.start()
     runs: dict[str, list[dict]] = {test: [] for test in tests}
-    try:
+    with burners(args.burners):
         for i in range(args.repeats):
             for test in tests:
                 row = run_once(test, args.timeout_s)
@@ -73,10 +66,6 @@ def main() -> int:
                     f"{i:>3}  {verdict:<5} {row['seconds']:>7.1f} s  {test.split('::')[-1]}  {row['result']}",
                     flush=True,
                 )
-    finally:
-        for b in burners:
-            b.terminate()
-            b.join(timeout=5)
 
     print(f"\n{args.repeats} repeats with {args.burners} burner(s)")
     print(f"{'test':<92} {'passed':>8} {'seconds (min-max)':>18}")

@@ -156,6 +156,8 @@ def run_ranks(world_size: int, out: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
+# Time (R = 2 ~7 s, R = 4 ~12-26 s on 2 cores): R processes on gloo, each importing torch before its step
+# per ns_dtype; R = 4 runs more ranks than cores, the case a real node with one rank per GPU has.
 def test_r_ranks_equal_single_process_muon(tmp_path, world_size):
     run_ranks(world_size, tmp_path)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]

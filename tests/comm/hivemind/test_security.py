@@ -191,6 +191,8 @@ def test_an_insider_is_contained_by_trimmed_mean_and_not_by_the_mean(tmp_path, T
     assert (with_mean - honest) / honest > 0.1, (honest, trimmed, with_mean)
 
 
+# Time (~30 s): one swarm of 3 (the drifting peer is the third); its last drift is repaired only by the
+# final agreement, which waits for every running peer's final digest.
 def test_a_peer_whose_model_drifted_is_realigned_at_the_next_sync_or_by_the_final_agreement(tmp_path, TINY):
     """Consistency (docs/security.md): peer 2 nudges its global parameters after its 2nd sync, as if it had
     averaged another set of contributions than the others. The next sync whose group holds it and another
