@@ -94,7 +94,7 @@ def run_muloco(
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(env), cwd=cwd)
 
 
-def run_muloco_here(*args, cwd=None) -> subprocess.CompletedProcess:
+def run_muloco_here(*args) -> subprocess.CompletedProcess:
     """`muloco ARGS` through `muloco.cli.main` in this process: the code `python -m muloco` runs, with
     its exit code and what it prints (log lines included, as the process's stderr has them), for commands
     that stop at their input's checks. It spares a process's start: ~4 s of CPU on 2 cores (torch's
@@ -106,19 +106,16 @@ def run_muloco_here(*args, cwd=None) -> subprocess.CompletedProcess:
     root = logging.getLogger()
     handler = logging.StreamHandler(err)  # what cli's logging.basicConfig gives a fresh process
     handler.setFormatter(logging.Formatter("%(message)s"))
-    level, previous_dir = root.level, os.getcwd()
+    level = root.level
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     try:
-        if cwd is not None:
-            os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = main([str(a) for a in args])
             except SystemExit as exc:  # argparse's usage errors
                 code = exc.code if isinstance(exc.code, int) else 1
     finally:
-        os.chdir(previous_dir)
         root.removeHandler(handler)
         root.setLevel(level)
     return subprocess.CompletedProcess(["muloco", *map(str, args)], code, out.getvalue(), err.getvalue())

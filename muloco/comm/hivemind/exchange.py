@@ -271,12 +271,13 @@ class FragmentSync:
         # trimmed_mean tolerates sync.trim = f bad contributions only among 2f + 1 or more (with fewer it
         # trims fewer, down to the plain mean of a pair): a group left that small after its exclusions
         # would let an insider in, so it is combined as no group at all.
-        robust_short = own.rule[0] == "trimmed_mean" and len(used) < robust_minimum(int(own.rule[1]))
+        trim = int(own.rule[1])
+        robust_short = own.rule[0] == "trimmed_mean" and len(used) < robust_minimum(trim)
         if robust_short and others:
             log.warning(
                 "hivemind fragment=%d step=%d: %d usable contributions, fewer than the %d that "
                 "sync.trim=%d needs: combined as no group",
-                *(fragment, own.step, len(used), robust_minimum(int(own.rule[1])), int(own.rule[1])),
+                *(fragment, own.step, len(used), robust_minimum(trim), trim),
             )
         mean = aggregate([contributions[p] for p in used], *own.rule) if others and not robust_short else None
         seconds["combine"] = time.perf_counter() - t2
