@@ -181,6 +181,11 @@ class Config(Section):
             (self.simulation.offload, "simulation.offload=true (set it false)"),
             (self.model.compile, "model.compile=true (set it false)"),
             (self.inner.optimizer == "torch_muon", "inner.optimizer=torch_muon (use muon)"),
+            (
+                self.inner.optimizer not in ("muon", "adamw", "sgd", "torch_muon"),
+                f"inner.optimizer={self.inner.optimizer} (each rank would step its shard of a matrix as if "
+                "it were the whole: exact only for elementwise rules; use muon, adamw or sgd)",
+            ),
             (self.sync.aggregate != "mean", f"sync.aggregate={self.sync.aggregate} (use mean)"),
             (self.diagnostics.alignment, "diagnostics.alignment=true (set it false)"),
             (self.outer.offload == "cpu", "outer.offload=cpu (set outer.offload=none)"),

@@ -184,13 +184,32 @@ class AdamWConfig(Section):
         return betas
 
 
+# The inner optimizers built from the inner.* fields (optim/factory.py); any other name is resolved by
+# optim/catalogue.py.
+BUILT_IN_OPTIMIZERS = ("muon", "adamw", "sgd", "torch_muon")
+
+
 class InnerConfig(Section):
-    optimizer: Literal["muon", "adamw", "sgd", "torch_muon"] = Field(
+    optimizer: str = Field(
         "muon",
         description="muon: our Muon on hidden matrices + AdamW on the rest (MuLoCo); adamw: AdamW on all "
-        "(DiLoCo); sgd: SGD with momentum on all; torch_muon: torch.optim.Muon + AdamW (reference).",
+        "(DiLoCo); sgd: SGD with momentum on all; torch_muon: torch.optim.Muon + AdamW (reference). Any "
+        "other optimizer: a torch.optim class (NAdam, Adafactor, ...), a pytorch-optimizer name (lion, "
+        "soap, ademamix, ...; the `optimizers` extra) or package.module:Class, built with lr=inner.lr and "
+        "inner.kwargs (docs/optimizers.md).",
     )
-    lr: float = Field(0.02, gt=0, description="Muon (or SGD) learning rate.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Constructor arguments of an optimizer that is not built in (e.g. {betas: [0.9, 0.99]}); "
+        "checked against its signature. lr is inner.lr; the built-in ones use the fields here instead.",
+    )
+    route: Literal["auto", "all", "matrices"] = Field(
+        "auto",
+        description="Which parameters inner.optimizer updates. all: every one; matrices: the hidden "
+        "matrices, with embeddings, head, norms and biases on AdamW (inner.adamw.*), as Muon has them. "
+        "auto: matrices for muon and torch_muon, all for every other optimizer.",
+    )
+    lr: float = Field(0.02, gt=0, description="Muon (or SGD, or any other inner optimizer) learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Muon/SGD decoupled weight decay.")
     momentum: float = Field(0.95, ge=0, lt=1, description="Muon/SGD momentum.")
     nesterov: bool = Field(True, description="Nesterov momentum for Muon/SGD.")
@@ -218,6 +237,43 @@ class InnerConfig(Section):
         default_factory=list, description="Regexes of parameter names forced onto AdamW."
     )
     adamw: AdamWConfig = Field(default_factory=AdamWConfig)
+
+    @field_validator("optimizer")
+    @classmethod
+    def _known_optimizer(cls, value: str) -> str:
+        if value not in BUILT_IN_OPTIMIZERS:  # torch imported only for the others (launch stays light)
+            from muloco.optim.catalogue import optimizer_class
+
+            optimizer_class(value)  # ValueError naming the fix
+        return value
+
+    @model_validator(mode="after")
+    def _optimizer_arguments(self) -> InnerConfig:
+        if self.optimizer in BUILT_IN_OPTIMIZERS:
+            if self.kwargs:
+                raise ValueError(
+                    f"inner.kwargs is for optimizers that are not built in; inner.optimizer={self.optimizer} "
+                    "takes the inner.* fields (inner.lr, inner.momentum, inner.adamw.*, ...)"
+                )
+            if self.route == "all" and self.optimizer in ("muon", "torch_muon"):
+                raise ValueError(
+                    f"inner.route=all puts every parameter on {self.optimizer}, which takes only matrices; "
+                    "use inner.route=matrices (or auto)"
+                )
+            if self.route == "matrices" and self.optimizer == "adamw":
+                raise ValueError(
+                    "inner.route=matrices with inner.optimizer=adamw is AdamW on every parameter; use "
+                    "inner.route=all (or auto)"
+                )
+            return self
+        from muloco.optim.catalogue import check_kwargs, optimizer_class, trial_step
+
+        cls = optimizer_class(self.optimizer)
+        check_kwargs(self.optimizer, cls, self.kwargs)
+        trial_step(
+            self.optimizer, cls, self.lr, self.kwargs, "matrices" if self.route == "matrices" else "all"
+        )
+        return self
 
     @field_validator("ns_coefficients")
     @classmethod

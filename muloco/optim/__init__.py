@@ -9,8 +9,10 @@
     sharded_muon.py   `ShardedMuon`: Muon on FSDP2 (DTensor) parameters, each matrix gathered to its owner
                       rank for NS and its rows scattered back (sharding=fsdp)
     routing.py        which parameters go to Muon and which to AdamW (roles + regex overrides)
+    catalogue.py      any other inner.optimizer: a torch.optim class, a pytorch-optimizer name or
+                      module:Class, resolved and its kwargs checked when the config loads
     factory.py        `build_inner_optimizer(model, inner, process_group=None, sharded=False)` ->
-                      `InnerOptimizer` for inner.optimizer = muon | adamw | sgd | torch_muon
+                      `InnerOptimizer` for inner.optimizer = muon | adamw | sgd | torch_muon | any other
 
 docs/optimizers.md describes the options and where we differ from torch.optim.Muon.
 """

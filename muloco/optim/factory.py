@@ -9,6 +9,9 @@ inner.optimizer:
     adamw       torch.optim.AdamW on everything with inner.adamw.* (DiLoCo)
     sgd         torch.optim.SGD(lr=inner.lr, momentum, nesterov, weight_decay) on everything
     torch_muon  torch.optim.Muon + AdamW, the reference implementation (2-D matrices, one NS triple)
+    any other   a torch.optim class, a pytorch-optimizer name or module:Class (catalogue.py), built with
+                lr=inner.lr and inner.kwargs, on every parameter or (inner.route=matrices) the hidden
+                matrices with AdamW on the rest
 
 With a `process_group` of R > 1 ranks (the ranks of one DiLoCo worker, which all-reduce their gradients every
 step), inner.optimizer=muon uses `DistributedMuon`: each matrix's Newton-Schulz work and momentum live on one
@@ -28,6 +31,7 @@ from muloco.comm.sharding import local
 from muloco.config import InnerConfig
 from muloco.errors import ConfigError
 from muloco.models.roles import param_roles, transposed_weights
+from muloco.optim.catalogue import optimizer_class
 from muloco.optim.distributed_muon import DistributedMuon
 from muloco.optim.muon import Muon
 from muloco.optim.newton_schulz import KELLER, resolve_coefficients
@@ -184,44 +188,74 @@ def _muon(
     return muon
 
 
-def build_inner_optimizer(
-    model: nn.Module, inner: InnerConfig, process_group: ProcessGroup | None = None, sharded: bool = False
-) -> InnerOptimizer:
-    """The inner optimizer named by `inner.optimizer` over `model`'s trainable parameters.
-
-    process_group: the ranks of this DiLoCo worker, which average their gradients before every `step()`;
-    with more than one rank, inner.optimizer=muon splits its Newton-Schulz work across them
-    (`DistributedMuon`, which must then be stepped on every rank). None: one process, plain `Muon`.
-    sharded: the model is wrapped with FSDP2 (sharding.py); Muon is then `ShardedMuon` (each matrix
-    orthogonalized on one owner rank), AdamW and SGD step the DTensor shards as they are.
-    """
-    roles = param_roles(model)
-    kind = inner.optimizer
-    if kind in ("adamw", "sgd"):
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        params = [p for _, p in named]
-        if kind == "adamw":
-            return InnerOptimizer([_adamw(params, inner)], format_routing({"adamw": named}, roles))
+def _one_optimizer(kind: str, params: list[nn.Parameter], inner: InnerConfig) -> torch.optim.Optimizer:
+    """adamw, sgd or any other named optimizer over `params` (every parameter, or the routed matrices)."""
+    if kind == "adamw":
+        return _adamw(params, inner)
+    if kind == "sgd":
         if inner.nesterov and inner.momentum == 0:
             raise ConfigError("inner.nesterov=true needs inner.momentum > 0 for sgd; set one of them")
-        sgd = torch.optim.SGD(
+        opt = torch.optim.SGD(
             params,
             lr=inner.lr,
             momentum=inner.momentum,
             nesterov=inner.nesterov,
             weight_decay=inner.weight_decay,
         )
-        sgd.param_groups[0]["name"] = "sgd"
-        return InnerOptimizer([sgd], format_routing({"sgd": named}, roles))
-    if kind not in ("muon", "torch_muon"):
-        raise ConfigError(f"inner.optimizer={kind!r} is unknown; use muon, adamw, sgd or torch_muon")
+    else:
+        opt = _named_optimizer(kind, params, inner)
+    opt.param_groups[0]["name"] = kind
+    return opt
 
-    muon_named, adamw_named = _split(model, inner)
+
+def _named_optimizer(kind: str, params: list[nn.Parameter], inner: InnerConfig) -> torch.optim.Optimizer:
+    """inner.optimizer=kind (a torch.optim class, a pytorch-optimizer name or module:Class) with lr=inner.lr
+    and inner.kwargs; what its constructor refuses (e.g. a shape it cannot step) is one config line."""
+    cls = optimizer_class(kind)
+    try:
+        opt = cls(params, lr=inner.lr, **inner.kwargs)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ConfigError(
+            f"inner.optimizer={kind} refused its parameters or inner.kwargs: {exc} (inner.route=matrices "
+            "gives it only the hidden matrices)"
+        ) from None
+    if len(opt.param_groups) != 1:
+        raise ConfigError(
+            f"inner.optimizer={kind} split its parameters into groups itself; it cannot be routed"
+        )
+    return opt
+
+
+def build_inner_optimizer(
+    model: nn.Module, inner: InnerConfig, process_group: ProcessGroup | None = None, sharded: bool = False
+) -> InnerOptimizer:
+    """The inner optimizer named by `inner.optimizer` over `model`'s trainable parameters, routed by
+    `inner.route` (all parameters, or the hidden matrices with the rest on AdamW).
+
+    process_group: the ranks of this DiLoCo worker, which average their gradients before every `step()`;
+    with more than one rank, inner.optimizer=muon splits its Newton-Schulz work across them
+    (`DistributedMuon`, which must then be stepped on every rank). None: one process, plain `Muon`.
+    Every other optimizer is replicated on the ranks: they step the same averaged gradients.
+    sharded: the model is wrapped with FSDP2 (sharding.py); Muon is then `ShardedMuon` (each matrix
+    orthogonalized on one owner rank), AdamW and SGD step the DTensor shards as they are.
+    """
+    roles = param_roles(model)
+    kind = inner.optimizer
+    muon_like = kind in ("muon", "torch_muon")
+    route = inner.route if inner.route != "auto" else ("matrices" if muon_like else "all")
+    if route == "all":
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError("the model has no trainable parameters for the inner optimizer")
+        opt = _one_optimizer(kind, [p for _, p in named], inner)
+        return InnerOptimizer([opt], format_routing({kind: named}, roles))
+
+    matrices_named, adamw_named = _split(model, inner)
     optimizers: list[torch.optim.Optimizer] = []
-    if muon_named:
-        names, params = [n for n, _ in muon_named], [p for _, p in muon_named]
+    if matrices_named:
+        names, params = [n for n, _ in matrices_named], [p for _, p in matrices_named]
         transposed_names = transposed_weights(model)
-        transposed = [p for n, p in muon_named if n in transposed_names]
+        transposed = [p for n, p in matrices_named if n in transposed_names]
         if kind == "torch_muon":
             if transposed:
                 raise ConfigError(
@@ -229,11 +263,14 @@ def build_inner_optimizer(
                     "transposed (in, out), e.g. GPT-2's Conv1D; use inner.optimizer=muon"
                 )
             optimizers.append(_torch_muon(params, names, inner))
-        else:
+        elif kind == "muon":
             optimizers.append(_muon(params, inner, process_group, transposed, sharded))
+        else:
+            optimizers.append(_one_optimizer(kind, params, inner))
     if adamw_named:
         optimizers.append(_adamw([p for _, p in adamw_named], inner))
     if not optimizers:
         raise ConfigError("the model has no trainable parameters for the inner optimizer")
-    description = format_routing({"muon": muon_named, "adamw": adamw_named}, roles)
+    label = "muon" if muon_like else kind
+    description = format_routing({label: matrices_named, "adamw": adamw_named}, roles)
     return InnerOptimizer(optimizers, description)

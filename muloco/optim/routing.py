@@ -77,12 +77,13 @@ def muon_param_groups(
 
 def format_routing(groups: dict[str, Named], roles: dict[str, ParamRole]) -> str:
     """A small table: one row per optimizer group with tensor and parameter counts and the roles in it."""
-    lines = [f"{'group':<8} {'tensors':>7} {'parameters':>12}  roles"]
+    width = max(8, *(len(group) for group in groups))
+    lines = [f"{'group':<{width}} {'tensors':>7} {'parameters':>12}  roles"]
     for group, named in groups.items():
         count = Counter(roles[name].value for name, _ in named)
         kinds = ", ".join(f"{role} x{n}" for role, n in sorted(count.items())) or "-"
         numel = sum(p.numel() for _, p in named)
-        lines.append(f"{group:<8} {len(named):>7} {numel:>12,}  {kinds}")
+        lines.append(f"{group:<{width}} {len(named):>7} {numel:>12,}  {kinds}")
     return "\n".join(lines)
 
 

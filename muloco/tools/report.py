@@ -306,7 +306,7 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
 def own_lr(run: RunRecord) -> Any:
-    """The lr of the run's inner optimizer: inner.adamw.lr for AdamW, inner.lr for Muon and SGD (under
+    """The lr of the run's inner optimizer: inner.adamw.lr for AdamW, inner.lr for every other (under
     Muon, inner.adamw.lr only drives the embeddings, head and norms)."""
     return run.config.get("inner.adamw.lr" if run.group == "adamw" else "inner.lr")
 

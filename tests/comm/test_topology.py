@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY
-from test_helpers import assert_equal_up_to_rounding, run_combo_ranks, run_muloco
+from test_helpers import assert_equal_up_to_rounding, run_combo_ranks, run_muloco_here
 
 from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
 from muloco.config import load_config
@@ -24,6 +24,8 @@ def final_global_params(run_dir: Path):
 RANKS_CASES = {
     "K2xR2-adamw": ["workers=2", "inner.optimizer=adamw"],
     "K2xR2-distributed-muon": ["workers=2", "inner.ns_dtype=fp32"],  # distributed Muon inside each worker
+    # Any other optimizer (issue 38) is replicated on a worker's ranks (same averaged gradients).
+    "K2xR2-lion": ["workers=2", "inner.optimizer=lion", "inner.lr=0.003"],
     # 2 worker groups x 2 ranks hosting 2 replicas each, streaming with tau = 1 and 4-bit messages.
     "hybrid-streaming-4bit": [
         "workers=4",
@@ -92,7 +94,7 @@ def test_workers_of_two_ranks_equal_the_simulation(tmp_path, ranks_runs, case):
 
 
 def test_ranks_per_worker_needs_processes(tmp_path, TINY):
-    result = run_muloco(
+    result = run_muloco_here(
         "train", QS, *TINY, f"run.output_dir={tmp_path}", "ranks_per_worker=2", "train.micro_batch_tokens=32"
     )
     assert result.returncode == 2
@@ -101,5 +103,5 @@ def test_ranks_per_worker_needs_processes(tmp_path, TINY):
 
 
 def test_ranks_per_worker_must_divide_the_micro_batches(TINY):
-    result = run_muloco("config", QS, *TINY, "ranks_per_worker=3")
+    result = run_muloco_here("config", QS, *TINY, "ranks_per_worker=3")
     assert result.returncode == 2 and "ranks_per_worker (3) must divide" in result.stderr

@@ -63,7 +63,27 @@ def test_every_run_is_validated_before_anything_runs(tmp_path, write_sweep):
     spec = load_sweep(write_sweep({"grid": {"inner.optimiser": ["muon"]}}))
     with pytest.raises(ConfigError, match="did you mean 'optimizer'"):
         plan_sweep(spec, threads=1)
+    spec = load_sweep(
+        write_sweep({"grid": {"inner.optimizer": ["muon", "lino"]}})
+    )  # a misspelt catalogue name
+    with pytest.raises(ConfigError, match="unknown optimizer 'lino'; did you mean lion"):
+        plan_sweep(spec, threads=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_any_inner_optimizer_and_its_kwargs_are_grid_values(write_sweep):
+    grid = {"inner.optimizer": ["muon", "lion", "NAdam"], "inner.kwargs": [{}, {"weight_decay": 0.1}]}
+    exclude = [{"inner.optimizer": "muon", "inner.kwargs": {"weight_decay": 0.1}}]
+    spec = load_sweep(write_sweep({"grid": grid, "exclude": exclude, "baselines": "none"}))
+    runs = plan_sweep(spec, threads=1)
+    assert [(r.config.inner.optimizer, r.config.inner.kwargs) for r in runs] == [
+        ("muon", {}),
+        ("lion", {}),
+        ("lion", {"weight_decay": 0.1}),
+        ("NAdam", {}),
+        ("NAdam", {"weight_decay": 0.1}),
+    ]
+    assert all(load_config(QUICKSTART, r.overrides).to_dict() == r.config.to_dict() for r in runs)
 
 
 def test_baselines_auto_adds_one_dp_run_per_optimizer_and_budget(tmp_path, write_sweep):
