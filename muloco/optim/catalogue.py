@@ -16,6 +16,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import io
+import re
 from typing import Any
 
 import torch
@@ -162,4 +164,28 @@ def trial_step(
         raise ValueError(
             f"{name} cannot step a matrix{shapes} with lr={lr} and inner.kwargs={kwargs}: {exc}"
             + ("; inner.route=matrices gives it only the hidden matrices" if route == "all" else "")
+        ) from None
+    if any("lr" not in group for group in opt.param_groups):
+        raise ValueError(
+            f"{name} keeps no lr in its param groups: inner.lr and the lr schedule cannot drive it; use "
+            "another optimizer"
+        )
+    _check_checkpointable(name, opt)
+
+
+def _check_checkpointable(name: str, opt: torch.optim.Optimizer) -> None:
+    """Checkpoints load with torch.load(weights_only=True) (checkpoint/plain.py): tensors, numbers,
+    strings and containers. A class that keeps other objects in its state (a deque, a custom class)
+    could train but never resume: refused now rather than at the first resume."""
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception as exc:
+        found = re.search(r"GLOBAL (\S+) was not an allowed global", str(exc))
+        kept = f"{found.group(1)} objects" if found else "objects other than tensors and containers"
+        raise ValueError(
+            f"{name} keeps {kept} in its state, which a checkpoint cannot load safely (weights_only): "
+            "its runs could not resume; use another optimizer"
         ) from None

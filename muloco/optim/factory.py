@@ -100,13 +100,24 @@ class InnerOptimizer:
             local(value).numel() * value.element_size()
             for opt in self.optimizers
             for state in opt.state.values()
-            for value in state.values()
-            if torch.is_tensor(value)
+            for value in _tensors(state)
         )
 
     def describe(self) -> str:
         """The routing table: which optimizer updates which parameters."""
         return self._description
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    """The tensors in one entry of `optimizer.state`: a per-parameter dict as torch's optimizers keep, with
+    lists of tensors inside (SOAP's eigenbases), or a bare tensor (MADGRAD keeps its step count so)."""
+    if torch.is_tensor(state):
+        return [state]
+    if isinstance(state, dict):
+        state = list(state.values())
+    if isinstance(state, list | tuple):
+        return [t for value in state for t in _tensors(value)]
+    return []
 
 
 def _adamw(params: list[nn.Parameter], inner: InnerConfig) -> torch.optim.AdamW:

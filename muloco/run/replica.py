@@ -182,4 +182,5 @@ class Replica:
 def _optimizer_states(optimizer) -> list[dict]:
     inner = getattr(optimizer, "optimizers", None)
     optimizers = inner if inner is not None else [optimizer]
-    return [state for opt in optimizers for state in opt.state.values()]
+    # Per-parameter dicts only (a class may keep a bare tensor there, as MADGRAD does its step count).
+    return [state for opt in optimizers for state in opt.state.values() if isinstance(state, dict)]

@@ -68,7 +68,8 @@ def test_the_routing_puts_all_or_only_the_matrices_on_it(tiny):
     assert nadam["lr"] == cfg.inner.lr and nadam["momentum_decay"] == 0.005 and nadam["name"] == "NAdam"
 
 
-@pytest.mark.parametrize("name", ["lion", "adopt", "ademamix", CUSTOM])
+# madgrad keeps a bare tensor beside its per-parameter dicts in `optimizer.state`.
+@pytest.mark.parametrize("name", ["lion", "adopt", "ademamix", "madgrad", CUSTOM])
 def test_it_trains_and_resumes_bitwise(tiny, tmp_path, name):
     """Inner state is kept across syncs, so its state_dict must be in the checkpoints for the resume to be
     exact; the lr schedule (warmup, then cosine) reaches its group as it reaches Muon's."""
@@ -102,6 +103,9 @@ BAD = [
     (["inner.optimizer=LBFGS"], "LBFGS needs a closure"),
     (["inner.optimizer=adahessian"], "needs second-order information"),
     (["inner.optimizer=schedulefreeadamw"], "keeps separate train and eval weights"),
+    (["inner.optimizer=a2grad"], "a2grad keeps no lr in its param groups"),
+    # A deque in its state: it would train, then fail at its first resume (checkpoints load weights_only).
+    (["inner.optimizer=adashift"], "adashift keeps collections.deque objects in its state"),
     (["inner.optimizer=muon", "inner.route=all"], "inner.route=all puts every parameter on muon"),
     (
         ["inner.optimizer=adamw", "inner.kwargs={amsgrad: true}"],
