@@ -85,6 +85,19 @@ BAD_INPUTS = [
     ("tokens without path", "data: {source: tokens}\n", [], "data.path"),
     ("bad heads", "model: {d_model: 100, n_heads: 3}\n", [], "model.d_model"),
     ("not a mapping", "- a\n- b\n", [], "mapping"),
+    # trimmed_mean among fewer than 2 x trim + 1 would trim less, down to the plain mean (issue 37)
+    (
+        "trim too large",
+        "workers: 4\n",
+        ["sync.aggregate=trimmed_mean", "sync.trim=2"],
+        "workers=4 gives at most 4",
+    ),
+    (
+        "trim over small groups",
+        "workers: 4\nbackend: {kind: hivemind, hivemind: {target_group_size: 2}}\n",
+        ["sync.aggregate=trimmed_mean"],
+        "backend.hivemind.target_group_size=2 gives at most 2",
+    ),
 ]
 
 

@@ -142,6 +142,8 @@ class Config(Section):
             )
         if self.backend.kind == "torchft":
             self._check_torchft()
+        if self.method == "diloco" and self.sync.aggregate == "trimmed_mean":
+            self._check_trim()
         if self.backend.kind == "hivemind" and self.sync.transport == "reduce_scatter":
             raise ValueError(
                 "sync.transport=reduce_scatter needs a fixed set of workers (backend.kind local or torch); a "
@@ -172,6 +174,22 @@ class Config(Section):
         if self.data.source == "text" and self.data.path is None:
             raise ValueError("data.source: text needs data.path (files, a directory or a glob)")
         return self
+
+    def _check_trim(self) -> None:
+        """trimmed_mean drops sync.trim contributions at each end and must keep one: 2 x trim + 1 of them
+        (sync/aggregate.py's robust_minimum). With fewer it trims less, down to the plain mean, and a run
+        configured to tolerate bad members would silently not."""
+        trim, need = self.sync.trim, 2 * self.sync.trim + 1
+        group, source = self.workers, f"workers={self.workers}"
+        target = self.backend.hivemind.target_group_size if self.backend.kind == "hivemind" else None
+        if target is not None and target < group:
+            group, source = target, f"backend.hivemind.target_group_size={target}"
+        if group < need:
+            raise ValueError(
+                f"sync.aggregate=trimmed_mean with sync.trim={trim} needs {need} contributions to drop "
+                f"{trim} at each end and keep one, but {source} gives at most {group}: it would trim less, "
+                f"down to the plain mean; raise it to {need}, lower sync.trim, or use sync.aggregate=mean"
+            )
 
     def _check_fsdp(self) -> None:
         """What a sharded worker can run (muloco/comm/sharding.py)."""

@@ -345,7 +345,8 @@ class SyncConfig(Section):
         ge=1,
         description="trimmed_mean: contributions dropped at each end per coordinate (it tolerates this many "
         "bad members; at most (n - 1) / 2 of n are dropped). In a swarm, a group left with fewer than "
-        "2 x trim + 1 usable contributions combines nothing (as no group).",
+        "2 x trim + 1 usable contributions combines nothing (as no group); fewer workers (or a hivemind "
+        "target_group_size) than 2 x trim + 1 is refused.",
     )
 
     @model_validator(mode="after")

@@ -160,8 +160,7 @@ class Replica:
             p.data = move(p.data)
         for state in _optimizer_states(self.optimizer):
             for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    state[key] = move(value)
+                state[key] = _moved(value, move)
 
     def state_dict(self) -> dict:
         return {
@@ -177,6 +176,16 @@ class Replica:
         self.optimizer.load_state_dict(state["optimizer"])
         self.stream.load_state_dict(state["stream"])
         self.inner_steps, self.healthy = state["inner_steps"], state["healthy"]
+
+
+def _moved(value, move: Callable[[torch.Tensor], torch.Tensor]):
+    """`value` with its tensors moved, into lists and tuples too (SOAP keeps its eigenbases in a list);
+    0-dim tensors (step counters) and everything else as they are."""
+    if torch.is_tensor(value):
+        return move(value) if value.dim() > 0 else value
+    if isinstance(value, list | tuple):
+        return type(value)(_moved(item, move) for item in value)
+    return value
 
 
 def _optimizer_states(optimizer) -> list[dict]:

@@ -146,3 +146,27 @@ def test_a_constructor_that_refuses_a_real_parameter_is_a_config_error(tiny):
     model.register_parameter("cube", torch.nn.Parameter(torch.zeros(2, 2, 2)))
     with pytest.raises(ConfigError, match="inner.optimizer=Muon refused its parameters"):
         build_inner_optimizer(model, cfg.inner, process_group=None)
+
+
+def test_offload_moves_state_kept_in_lists(tiny):
+    """simulation.offload moves a replica's optimizer state with `Replica.map_tensors`: tensors kept in
+    lists (SOAP's eigenbases, one per dimension) move too, not only the state's top-level tensors."""
+    from muloco.run.replica import Replica
+
+    trainer = Trainer(
+        load_config(None, [*tiny, "inner.optimizer=soap", "workers=1", "train.total_tokens=512"])
+    )
+    trainer.run()
+    replica: Replica = trainer.replicas[0]
+    nested = [
+        t
+        for state in replica.optimizer.optimizers[0].state.values()
+        for value in state.values()
+        if isinstance(value, list)
+        for t in value
+        if torch.is_tensor(t) and t.dim() > 0
+    ]
+    assert nested, "SOAP kept no list of tensors: the test would check nothing"
+    moved = []
+    replica.map_tensors(lambda t: moved.append(t) or t.clone())
+    assert {id(t) for t in nested} <= {id(t) for t in moved}
