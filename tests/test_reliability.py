@@ -72,7 +72,7 @@ BAD_INPUTS = [
     ("wrong type", ["train", "{QS}", "{RUN}", "workers=abc"], {}, "workers"),
     ("zero workers", ["train", "{QS}", "{RUN}", "workers=0"], {}, "workers"),
     ("negative lr", ["train", "{QS}", "{RUN}", "inner.lr=-1"], {}, "inner.lr"),
-    ("unknown optimizer", ["train", "{QS}", "{RUN}", "inner.optimizer=lion"], {}, "inner.optimizer"),
+    ("unknown optimizer", ["train", "{QS}", "{RUN}", "inner.optimizer=lino"], {}, "inner.optimizer"),
     ("batch not divisible", ["train", "{QS}", "{RUN}", "workers=3"], {}, "train.batch_tokens"),
     (
         "micro batch",
