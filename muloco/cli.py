@@ -105,6 +105,16 @@ def _parser() -> argparse.ArgumentParser:
     key.add_argument("file", metavar="FILE", help="where to write it (must not exist)")
     report = sub.add_parser("report", help="summary.csv, report.md and plots from the run dirs under DIR")
     report.add_argument("directory", metavar="DIR", help="a sweep directory, or any directory of run dirs")
+    report.add_argument(
+        "--tune-over",
+        metavar="KEYS",
+        help="comma-separated config keys that were tuned (e.g. inner.lr): adds the tuned comparison "
+        "(default: the sweep's tune: recorded in DIR/sweep.json)",
+    )
+    report.add_argument(
+        "--tune-per", metavar="KEYS", default="", help="comma-separated keys each with its own best, e.g. "
+        "inner.optimizer,workers (with --tune-over)",
+    )  # fmt: skip
     return parser
 
 
@@ -167,8 +177,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from muloco.tools.report import build_report
+    from muloco.tools.tuning import TuneSpec
 
-    outputs = build_report(args.directory)
+    over = tuple(k for k in (args.tune_over or "").split(",") if k)
+    per = tuple(k for k in args.tune_per.split(",") if k)
+    if per and not over:
+        raise UserError("report: --tune-per needs --tune-over (the keys that were tuned, e.g. inner.lr)")
+    outputs = build_report(args.directory, TuneSpec(over, per) if over else None)
     for path in outputs.values():
         print(path)
     return 0

@@ -6,8 +6,9 @@ Run the sweeps first (each `muloco sweep configs/sweeps/<name>.yaml --jobs 2`, s
     python experiments/paper_check/pico_tables.py --json out.json
 
 Every comparison is at equal tokens, each method at its own tuned lr: a DiLoCo/MuLoCo row uses the lr
-that was best at its K (pico_tune, pico_tune_workers; seed 0), a DP baseline the lr best for DP, and
-"gap" is (loss / DP loss - 1) x 100 with both averaged over the seeds that ran.
+that was best at its K (pico_tune, pico_tune_workers; chosen on seed 0, the seed every lr ran), a DP
+baseline the lr best for DP; the gap to DP vs K is `muloco report`'s tuned comparison (its gap: the mean
+over the paired seeds of (loss / DP loss - 1) x 100); the other tables compare as their docstrings say.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from muloco.run.metrics import read_jsonl
-from muloco.tools.report import RunRecord, load_runs
+from muloco.tools import tuning as tuned_comparison
+from muloco.tools.report import RunRecord, load_runs, varied_keys
 from muloco.tools.report import own_lr as lr  # the run's inner optimizer's own lr
+from muloco.tools.tuning import TuneSpec
 
 ROOT = Path("runs/sweeps")
 OPTIMIZERS = {"adamw": "DiLoCo (AdamW)", "muon": "MuLoCo (Muon)"}
@@ -95,68 +98,41 @@ def tuning(sweeps: dict[str, list[RunRecord]]) -> str:
     return "\n\n".join(parts)
 
 
-def tuned(runs: list[RunRecord], optimizer: str, **where: Any) -> RunRecord | None:
-    """The best seed-0 run of `optimizer` matching `where`, over lrs and outer momenta."""
-    return best(select(runs, inner__optimizer=optimizer, run__seed=0, **where))
-
-
-def seeds_of(runs: list[RunRecord], like: RunRecord) -> list[RunRecord]:
-    """Every run (any seed) with like's settings: the same fingerprint but for run.seed."""
-    ignored = ["run.", "logging.", "train.threads"]
-    if like.group == "adamw":  # Muon's settings do not touch an AdamW run
-        ignored += [
-            k
-            for k in like.config
-            if k.startswith("inner.") and not k.startswith(("inner.adamw.", "inner.optimizer"))
-        ]
-    if like.is_dp:
-        ignored += ["sync.", "outer.", "compression."]
-    keys = [k for k in like.config if not k.startswith(tuple(ignored))]
-    # Keys one side lacks (added to the schema after it ran, at their defaults) do not count.
-    return [r for r in runs if all(r.config.get(k, like.config[k]) == like.config[k] for k in keys)]
+# The study's tuning, as a sweep would declare it: each method's lrs (and K = 4's outer momenta) per K.
+TUNED = TuneSpec(over=("inner.lr", "inner.adamw.lr", "outer.momentum"), per=("inner.optimizer", "workers"))
 
 
 def workers(sweeps: dict[str, list[RunRecord]]) -> tuple[str, dict]:
+    """Each method at its best per K against DP at its best, over paired seeds: `muloco report`'s tuned
+    comparison (muloco/tools/tuning.py) over the tuning sweeps and the seed repeats together."""
     runs = [
         r
         for name in ("pico_tune", "pico_tune_outer", "pico_tune_workers", "pico_seeds")
         for r in sweeps.get(name, [])
     ]
+    cells = tuned_comparison.tune(runs, varied_keys(runs), TUNED)
+    comparisons = tuned_comparison.order(tuned_comparison.compare(cells), TUNED)
     rows, data = [], {}
-    for optimizer, label in OPTIMIZERS.items():
-        dp = tuned([r for r in runs if r.is_dp], optimizer)
-        if dp is None:
+    for c in comparisons:
+        optimizer, K = c.cell.settings["inner.optimizer"], c.cell.settings["workers"]
+        if optimizer not in OPTIMIZERS or c.dp is None or not c.seeds:
             continue
-        dp_runs = seeds_of(runs, dp)
-        for K in (1, 4, 8):
-            run = tuned([r for r in runs if not r.is_dp], optimizer, workers=K)
-            if run is None:
-                continue
-            mine = seeds_of(runs, run)
-            by_seed = {r.config["run.seed"]: r.loss for r in mine}
-            dp_by_seed = {r.config["run.seed"]: r.loss for r in dp_runs}
-            common = sorted(set(by_seed) & set(dp_by_seed))  # paired seeds only
-            loss = statistics.mean(by_seed[s] for s in common)
-            dp_loss = statistics.mean(dp_by_seed[s] for s in common)
-            per_seed = [gap(by_seed[s], dp_by_seed[s]) for s in common]
-            rows.append(
-                [
-                    label,
-                    K,
-                    f"{lr(run):g}",
-                    run.config["outer.momentum"],
-                    fmt(loss),
-                    f"{fmt(dp_loss)} (lr {lr(dp):g})",
-                    gap(loss, dp_loss),
-                    " / ".join(per_seed),
-                    len(common),
-                ]
-            )
-            data[f"{optimizer}_k{K}"] = {
-                "loss": loss,
-                "dp": dp_loss,
-                "seeds": {s: by_seed[s] for s in common},
-            }
+        run, dp = c.cell.by_seed[c.seeds[0]], c.dp.by_seed[c.seeds[0]]
+        by_seed = {s: c.cell.by_seed[s].loss for s in c.seeds}
+        rows.append(
+            [
+                OPTIMIZERS[optimizer],
+                K,
+                f"{lr(run):g}",
+                run.config["outer.momentum"],
+                fmt(c.loss),
+                f"{fmt(c.dp_loss)} (lr {lr(dp):g})",
+                f"{c.gap:+.2f}%",
+                " / ".join(f"{g:+.2f}%" for g in c.gaps),
+                len(c.seeds),
+            ]
+        )
+        data[f"{optimizer}_k{K}"] = {"loss": c.loss, "dp": c.dp_loss, "seeds": by_seed}
     header = [
         "method",
         "K",

@@ -8,9 +8,11 @@ import os
 from pathlib import Path
 
 from muloco.errors import UserError
+from muloco.run.run_dir import write_json_atomic
 from muloco.sweep.plan import PlannedRun, plan_sweep
 from muloco.sweep.runner import run_status, run_sweep
 from muloco.sweep.spec import SweepSpec, load_sweep
+from muloco.tools.report import SWEEP_RECORD
 
 log = logging.getLogger("muloco")
 
@@ -37,6 +39,15 @@ def describe_plan(spec: SweepSpec, runs: list[PlannedRun]) -> str:
     return "\n".join(lines)
 
 
+def sweep_record(spec: SweepSpec) -> dict:
+    """What `muloco report DIR` reads back from the sweep's directory: which file made it, what it tuned."""
+    return {
+        "name": spec.name,
+        "sweep_file": str(spec.path),
+        "tune": spec.tune.as_dict() if spec.tune is not None else None,
+    }
+
+
 def sweep_main(path: str | Path, jobs: int = 1, dry_run: bool = False) -> int:
     """`muloco sweep`: plan (validating every run), run what is not completed, write the report."""
     if jobs < 1:
@@ -47,12 +58,14 @@ def sweep_main(path: str | Path, jobs: int = 1, dry_run: bool = False) -> int:
     if dry_run:
         print(describe_plan(spec, runs))
         return 0
+    spec.output_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(spec.output_dir / SWEEP_RECORD, sweep_record(spec))
     result = run_sweep(spec, runs, jobs)
 
     from muloco.tools.report import build_report  # matplotlib is slow to import: only when a report is due
 
     try:
-        log.info("report=%s", build_report(spec.output_dir)["report.md"])
+        log.info("report=%s", build_report(spec.output_dir, spec.tune)["report.md"])
     except UserError as exc:  # e.g. no run got as far as a summary.json: say so, then list the failures
         log.info("no report: %s", exc)
     done = len(runs) - len(result.failed)

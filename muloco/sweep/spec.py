@@ -18,8 +18,9 @@ from pydantic import BaseModel
 
 from muloco.config import Config, _did_you_mean, read_yaml
 from muloco.errors import ConfigError
+from muloco.tools.tuning import SEED_KEY, TuneSpec
 
-TOP_LEVEL_KEYS = ("name", "base", "output_dir", "fixed", "grid", "zip", "exclude", "baselines")
+TOP_LEVEL_KEYS = ("name", "base", "output_dir", "fixed", "grid", "zip", "exclude", "baselines", "tune")
 # Keys the sweep sets on every run itself.
 RESERVED_KEYS = ("run.name", "run.output_dir")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
@@ -38,6 +39,7 @@ class SweepSpec:
     exclude: list[dict[str, Any]] = field(default_factory=list)
     fixed: dict[str, Any] = field(default_factory=dict)
     baselines: bool = False
+    tune: TuneSpec | None = None
 
 
 def _mapping_fields(model: type[BaseModel] = Config, prefix: str = "") -> frozenset[str]:
@@ -144,6 +146,8 @@ def parse_sweep(data: Any, path: str | Path) -> SweepSpec:
             f"{where}: baselines must be 'auto' (add DP baselines) or 'none', got {baselines!r}"
         )
 
+    tune = _parse_tune(data.get("tune"), grid, where)
+
     return SweepSpec(
         name=name,
         path=path,
@@ -154,7 +158,46 @@ def parse_sweep(data: Any, path: str | Path) -> SweepSpec:
         exclude=exclude,
         fixed=fixed,
         baselines=baselines == "auto",
+        tune=tune,
     )
+
+
+def _parse_tune(tune: Any, grid: dict[str, list[Any]], where: str) -> TuneSpec | None:
+    """`tune: {over: [inner.lr], per: [inner.optimizer, workers]}`: grid keys only, the seed in neither
+    (runs that differ only in run.seed are the repeats a best is averaged over)."""
+    if tune is None:
+        return None
+    example = "e.g. tune: {over: [inner.lr], per: [inner.optimizer, workers]}"
+    if not isinstance(tune, dict):
+        raise ConfigError(f"{where}: tune must be a mapping with over: and per:, {example}")
+    for key in tune:
+        if key not in ("over", "per"):
+            raise ConfigError(f"{where}: unknown key tune.{key}; {_did_you_mean(str(key), ['over', 'per'])}")
+    lists = {}
+    for part in ("over", "per"):
+        keys = tune.get(part, [] if part == "per" else None)
+        if isinstance(keys, str):
+            keys = [keys]
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ConfigError(f"{where}: tune.{part} must be a list of grid keys, {example}")
+        for key in keys:
+            if key == SEED_KEY:
+                raise ConfigError(
+                    f"{where}: tune.{part} lists {SEED_KEY}; seeds are what each best is averaged over, "
+                    "leave them in grid only"
+                )
+            if key not in grid:
+                raise ConfigError(
+                    f"{where}: tune.{part} key {key!r} is not in grid; "
+                    f"{_did_you_mean(key, list(grid)) if grid else 'add its list of values to grid'}"
+                )
+        lists[part] = keys
+    if not lists["over"]:
+        raise ConfigError(f"{where}: tune.over must name at least one grid key, {example}")
+    both = sorted(set(lists["over"]) & set(lists["per"]))
+    if both:
+        raise ConfigError(f"{where}: tune: {both[0]} is both in over and in per; keep it in one of them")
+    return TuneSpec(tuple(lists["over"]), tuple(lists["per"]))
 
 
 def _parse_zip(groups: Any, grid: dict[str, list[Any]], where: str) -> list[list[str]]:

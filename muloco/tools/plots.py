@@ -93,7 +93,7 @@ def short_number(x: float) -> str:
 
 
 def series_plot(
-    series: dict[str, list[tuple[float, float]]],
+    series: dict[str, list[tuple[float, ...]]],
     path: Path,
     *,
     xlabel: str,
@@ -104,13 +104,19 @@ def series_plot(
     log2_x: bool = False,
     tick_labels: dict[float, str] | None = None,
 ) -> None:
-    """Lines of (x, y) points, one per series; references are labelled horizontal lines (y, color)."""
+    """Lines of (x, y) points, one per series, or (x, y, low, high) points drawn with error bars from low to
+    high; references are labelled horizontal lines (y, color)."""
     fig = Figure(figsize=(6.4, 4.4))
     ax = fig.subplots()
     for label, points in series.items():
         points = sorted(points)
         style = {"marker": "o", **(styles or {}).get(label, {})}
-        ax.plot([p[0] for p in points], [p[1] for p in points], label=label, **style)
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        if all(len(p) == 4 for p in points):
+            below, above = [p[1] - p[2] for p in points], [p[3] - p[1] for p in points]
+            ax.errorbar(xs, ys, yerr=[below, above], label=label, capsize=3, **style)
+        else:
+            ax.plot(xs, ys, label=label, **style)
     for label, (y, color) in (references or {}).items():
         ax.axhline(y, color=color, linestyle=":", linewidth=1.2, label=label)
     xs = sorted({p[0] for points in series.values() for p in points})

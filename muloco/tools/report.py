@@ -7,6 +7,9 @@ Reads every `DIR/*/summary.json` with its `config.yaml` and `metrics.jsonl`, and
 - `report.md`: one table per inner optimizer, the best DiLoCo/MuLoCo run of each in bold, and the plots.
 - PNGs: val loss vs tokens; % over DP vs K (workers); loss vs bits with and without error feedback; loss
   vs H (sync.every). A plot the runs have no data for is skipped, and report.md says why.
+- With a tune spec (a sweep's `tune:`, recorded in DIR/sweep.json, or `--tune-over/--tune-per`): the tuned
+  comparison (muloco/tools/tuning.py) as a table in report.md, `tuned.json`, and the gap to DP against K
+  with the seeds' range as error bars (`tuned_gap_vs_workers.png`).
 
 A run's DP baseline is the completed `method: dp` run with the same inner optimizer, tokens seen and
 settings DP uses (model, data, inner, train budget); one with the same `workers` (the same data shards) is
@@ -27,11 +30,13 @@ import yaml
 
 from muloco.errors import UserError
 from muloco.run.metrics import read_jsonl
+from muloco.tools import tuning
+from muloco.tools.tuning import TuneSpec
 
 # Config keys that never tell runs apart in a report (names, places, logging, threads).
 IGNORED_PREFIXES = ("run.name", "run.output_dir", "logging.", "checkpoint.", "train.threads")
 # Keys a DP run ignores, or that may differ between a run and its DP baseline.
-DP_FREE_PREFIXES = ("method", "workers", "sync.", "outer.", "compression.", "diagnostics.")
+DP_FREE_PREFIXES = ("method", "workers", *tuning.DP_IGNORED_PREFIXES)
 # The inner lrs: a run without a DP run at its own lr is compared with the best DP run over these.
 LR_KEYS = ("inner.lr", "inner.adamw.lr")
 
@@ -40,7 +45,10 @@ PLOTS = {
     "pct_over_dp_vs_workers.png": "% over the DP baseline vs K (workers), per inner optimizer",
     "loss_vs_bits.png": "final validation loss vs bits per pseudogradient entry, with and without EF",
     "loss_vs_sync_every.png": "final validation loss vs H (sync.every)",
+    "tuned_gap_vs_workers.png": "% over DP vs K, each method and its DP at their own best setting",
 }
+# What a sweep records beside its runs for the report (its tune spec): muloco/sweep/main.py writes it.
+SWEEP_RECORD = "sweep.json"
 
 
 @dataclass
@@ -267,6 +275,7 @@ def write_markdown(
     keys: list[str],
     plots: dict[str, str | None],
     path: Path,
+    tuned: tuple[TuneSpec, list[tuning.Comparison]] | None = None,
 ) -> None:
     runs = [r for members in groups.values() for r in members]
     statuses: dict[str, int] = {}
@@ -286,6 +295,22 @@ def write_markdown(
     failed = [r.name for r in runs if not r.completed]
     if failed:
         lines += ["", f"Not completed: {', '.join(failed)} (see each run's train.log)."]
+    if tuned is not None:
+        spec, comparisons = tuned
+        lines += [
+            "",
+            "## Tuned comparison",
+            "",
+            f"Tuned over {', '.join(f'`{k}`' for k in spec.over)}"
+            + (f", per {', '.join(f'`{k}`' for k in spec.per)}" if spec.per else "")
+            + ". Each row: the DiLoCo/MuLoCo setting with the lowest mean final val loss over the seeds "
+            "all its candidates ran, against the DP baseline at its own best setting; final val losses are "
+            "means over the seeds both ran, and the gap to DP is the mean over those seeds of (loss / DP "
+            "loss - 1) x 100, with its range over them. A best value at the edge of what was tried is "
+            "flagged: the optimum may lie outside the grid.",
+            "",
+            *tuning.markdown(comparisons, spec),
+        ]
     for group, members in groups.items():
         lines += ["", f"## inner optimizer: {group}", "", *_table(members, keys)]
     lines += ["", "## Plots", ""]
@@ -474,8 +499,52 @@ def _bits_plot(
     return None
 
 
-def build_report(directory: str | Path) -> dict[str, Path]:
-    """Write summary.csv, report.md and the PNGs into directory; returns their paths by file name."""
+def recorded_tune(directory: Path) -> TuneSpec | None:
+    """The tune spec a sweep recorded in DIR/sweep.json, or None (no record, or a sweep without tune:)."""
+    try:
+        record = json.loads((directory / SWEEP_RECORD).read_text(encoding="utf-8"))
+        tune = record["tune"]
+        return None if tune is None else TuneSpec(tuple(tune["over"]), tuple(tune.get("per", ())))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_tune(spec: TuneSpec, runs: list[RunRecord], directory: Path) -> None:
+    """Every tuned and per key is a config key of the runs: a typo is one line, not an empty table."""
+    known = {k for run in runs for k in run.config}
+    for key in (*spec.over, *spec.per):
+        if key not in known:
+            raise UserError(
+                f"report: tune key {key!r} is not a config key of the runs under {directory}; "
+                "use dotted config keys, e.g. --tune-over inner.lr --tune-per inner.optimizer,workers"
+            )
+    both = sorted(set(spec.over) & set(spec.per))
+    if both:
+        raise UserError(f"report: {both[0]} is both tuned over and tuned per; keep it in one of them")
+
+
+def tuned_plot(comparisons: list[tuning.Comparison], directory: Path) -> str | None:
+    """The gap to DP against K, each method at its own best, error bars over the paired seeds."""
+    from muloco.tools import plots
+
+    series = tuning.gap_series(comparisons)
+    if not series:
+        return "needs tuned DiLoCo/MuLoCo cells at 2+ worker counts, each with a DP baseline"
+    plots.series_plot(
+        series,
+        directory / "tuned_gap_vs_workers.png",
+        xlabel="K (workers)",
+        ylabel="% over DP, each at its best (range over seeds)",
+        title="Gap to data-parallel training, each method tuned",
+        references={"DP": (0.0, "black")},
+        log2_x=True,
+    )
+    return None
+
+
+def build_report(directory: str | Path, tune: TuneSpec | None = None) -> dict[str, Path]:
+    """Write summary.csv, report.md and the PNGs into directory (and tuned.json with a tune spec: the one
+    given, else the one a sweep recorded there); returns their paths by file name."""
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(
@@ -484,6 +553,9 @@ def build_report(directory: str | Path) -> dict[str, Path]:
     runs = load_runs(directory)
     if not runs:
         raise UserError(f"report: no run directories with a summary.json under {directory}; check the path")
+    tune = tune or recorded_tune(directory)
+    if tune is not None:
+        check_tune(tune, runs, directory)
     for run in runs:
         run.baseline = find_baseline(run, runs)
         if run.baseline is not None and run.loss is not None:
@@ -493,7 +565,16 @@ def build_report(directory: str | Path) -> dict[str, Path]:
     ordered = [r for members in groups.values() for r in members]
     write_csv(ordered, keys, directory / "summary.csv")
     plot_status = make_plots(ordered, keys, directory)
-    write_markdown(directory, groups, keys, plot_status, directory / "report.md")
+    tuned = None
     outputs = {"summary.csv": directory / "summary.csv", "report.md": directory / "report.md"}
+    if tune is not None:
+        comparisons = tuning.order(tuning.compare(tuning.tune(runs, keys, tune)), tune)
+        tuned = (tune, comparisons)
+        (directory / "tuned.json").write_text(
+            json.dumps(tuning.as_json(comparisons, tune), indent=1, default=str) + "\n", encoding="utf-8"
+        )
+        outputs["tuned.json"] = directory / "tuned.json"
+        plot_status["tuned_gap_vs_workers.png"] = tuned_plot(comparisons, directory)
+    write_markdown(directory, groups, keys, plot_status, directory / "report.md", tuned)
     outputs.update({name: directory / name for name, skipped in plot_status.items() if skipped is None})
     return outputs

@@ -185,17 +185,20 @@ def download_all(
         # member that drops a contribution the others keep leaves the group's models apart until the
         # digests realign it. Under load some arrived cut short: hivemind's P2P reads a response stream
         # that the connection ends early as a complete one (docs/reliability.md), so the messages' count
-        # and declared sizes are checked first.
+        # and declared sizes are checked first. An empty stream is asked for again too: a live member's
+        # stream that its connection ended before the first message reads the same as "not served" (a
+        # survivor of a killed member's group excluded another survivor so, in CI). A member that really
+        # does not serve the token answers each attempt at once; one that died fails to dial.
         for attempt in range(DOWNLOAD_ATTEMPTS):
             got = await _download(p2p, name, peer, requests[peer], limit)
-            short = cut_short(got, messages) if got else None
+            short = cut_short(got, messages)
             if short is not None:
                 log.warning(
                     "hivemind: payloads from peer=%s arrived cut short (%s; attempt %d): asking again",
                     *(peer, short, attempt + 1),
                 )
                 continue
-            if not got or payload_token(got) == token:
+            if payload_token(got) == token:
                 return got
             if (dump := mismatch.dump_dir()) is not None:  # diagnostics (mismatch.py): what arrived
                 where = dump / "received" / f"{os.getpid()}-{peer}-{token.hex()}-{attempt}.bin"

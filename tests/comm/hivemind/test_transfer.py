@@ -42,8 +42,8 @@ def test_a_download_cut_short_or_not_matching_its_token_is_asked_for_again(monke
     """Under load some downloads arrived cut short (hivemind's P2P ends a response stream whose connection
     closed early as if it were complete: docs/reliability.md): the member that dropped that contribution
     held another model than the group's. A download cut short (fewer messages, or fewer bytes than a
-    message declares) or not matching its token is asked for again, at most DOWNLOAD_ATTEMPTS times; what
-    is still wrong is reported by what is wrong."""
+    message declares, or no message at all) or not matching its token is asked for again, at most
+    DOWNLOAD_ATTEMPTS times; what is still wrong is reported by what is wrong."""
     import asyncio
 
     from hivemind.p2p import PeerID
@@ -55,7 +55,13 @@ def test_a_download_cut_short_or_not_matching_its_token_is_asked_for_again(monke
     good = [runtime_pb2.Tensor(buffer=b"payload", dtype="uint8", size=[7])]
     cut = [runtime_pb2.Tensor(buffer=b"pay", dtype="uint8", size=[7])]
     altered = [runtime_pb2.Tensor(buffer=b"paXload", dtype="uint8", size=[7])]
-    served = {"flaky": [cut, good], "short": [cut] * 5, "altered": [altered] * 5}
+    served = {
+        "flaky": [cut, good],
+        "short": [cut] * 5,
+        "altered": [altered] * 5,
+        "dropped": [[], good],  # a stream its connection ended before the first message
+        "gone": [[]] * 5,  # a member that no longer serves the token
+    }
     asked = []
 
     async def fake_download(p2p, name, peer, request, limit):
@@ -68,12 +74,15 @@ def test_a_download_cut_short_or_not_matching_its_token_is_asked_for_again(monke
 
     monkeypatch.setattr(transfer, "_download", fake_download)
     flaky, short, wrong = PeerID(b"flaky"), PeerID(b"short"), PeerID(b"altered")
-    tokens = dict.fromkeys((flaky, short, wrong), payload_token(good))
+    dropped, gone = PeerID(b"dropped"), PeerID(b"gone")
+    tokens = dict.fromkeys((flaky, short, wrong, dropped, gone), payload_token(good))
     got = transfer.download_all(
         Loop(), None, "h", tokens, requests=dict.fromkeys(tokens, b""), limit=99, timeout=5, messages=1
     )
     assert got[flaky] == good and asked.count(flaky) == 2
-    assert asked.count(short) == asked.count(wrong) == transfer.DOWNLOAD_ATTEMPTS
+    assert got[dropped] == good and asked.count(dropped) == 2
+    assert asked.count(short) == asked.count(wrong) == asked.count(gone) == transfer.DOWNLOAD_ATTEMPTS
+    assert transfer.checked_download(got[gone], tokens[gone], [None], []).startswith("payload unavailable")
     assert transfer.checked_download(got[short], tokens[short], [None], []) == (
         "payloads arrived cut short: message 0 holds 3 of 7 bytes"
     )
