@@ -14,6 +14,7 @@ the parameters as the model: optimizers that need more than that are refused wit
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 import io
@@ -80,8 +81,11 @@ def _import_class(spec: str) -> type:
     return cls
 
 
+@functools.lru_cache(maxsize=64)
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    """The class `inner.optimizer=name` names (not a built-in one); ValueError with the fix otherwise."""
+    """The class `inner.optimizer=name` names (not a built-in one); ValueError with the fix otherwise.
+    Cached: the config's field and model checks and every replica's factory ask for it (a failure is not
+    cached, so a module installed later is found)."""
     if ":" in name:
         cls = _import_class(name)
     elif name in torch_optim_names():

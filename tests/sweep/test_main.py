@@ -68,3 +68,33 @@ def test_sweep_end_to_end_then_resume(tmp_path, write_sweep):
     assert (out / "loss_vs_tokens.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     again = muloco("sweep", path, "--jobs", "1")
     assert again.returncode == 0 and "completed_before=2 to_run=0" in again.stderr
+
+
+@pytest.mark.slow  # 36 runs of a micro model, 2 at a time: ~2 min on 2 cores (the flagship's quick variant)
+def test_the_flagship_sweeps_quick_variant_ends_in_a_tuned_report(tmp_path):
+    """configs/sweeps/inner_optimizers_quick.yaml, as shipped but for where its runs go: every run completes,
+    and the report holds the tuned comparison, a row per optimizer and K, each against DP over both seeds."""
+    shipped = QUICKSTART.parent / "sweeps" / "inner_optimizers_quick.yaml"
+    body = yaml.safe_load(shipped.read_text())
+    body["base"] = str(shipped.parent / body["base"])
+    body["output_dir"] = str(tmp_path / "out")
+    body["fixed"]["train.threads"] = 1
+    path = tmp_path / "quick.yaml"
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    result = muloco("sweep", path, "--jobs", "2", timeout=400)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+    out = tmp_path / "out"
+    assert json.loads((out / "sweep.json").read_text())["tune"] == body["tune"]
+    rows = json.loads((out / "tuned.json").read_text())["rows"]
+    cells = {(r["cell"]["settings"]["inner.optimizer"], r["cell"]["settings"]["workers"]) for r in rows}
+    assert cells == {(o, k) for o in ("adamw", "muon", "lion") for k in (1, 2)}
+    for row in rows:
+        assert row["dp"]["settings"]["workers"] == 2 and row["seeds"] == [0, 1], row
+        assert len(row["pct_over_dp_per_seed"]) == 2 and row["pct_over_dp"] is not None
+        tried = row["cell"]["tried"]["inner.adamw.lr" if row["cell"]["settings"]["inner.optimizer"] == "adamw"
+                                     else "inner.lr"]  # fmt: skip
+        assert len(tried) == 2 and row["cell"]["chosen_on_seeds"] == [0, 1]
+    report = (out / "report.md").read_text()
+    assert "## Tuned comparison" in report and "tuned_gap_vs_workers.png" in report
+    assert (out / "tuned_gap_vs_workers.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

@@ -134,3 +134,35 @@ def test_report_cli_tune_flags(sweep_dir):
     assert len(done.stderr.strip().splitlines()) == 1 and not (sweep_dir / "tuned.json").exists()
     done = run_muloco_here("report", sweep_dir, "--tune-per", "workers")
     assert done.returncode == 2 and "--tune-per needs --tune-over" in done.stderr
+
+
+def test_failed_runs_are_not_candidates_and_a_cell_without_dp_says_so(tmp_path):
+    root = tmp_path / "sweep"
+    fake_run(root, "a", ["inner.lr=0.01", "workers=2"], 3.0)
+    fake_run(root, "b", ["inner.lr=0.02", "workers=2"], 2.0)
+    summary = json.loads((root / "b" / "summary.json").read_text())
+    (root / "b" / "summary.json").write_text(json.dumps({**summary, "status": "failed"}))
+    build_report(root, TuneSpec(over=("inner.lr",)))
+    [row] = json.loads((root / "tuned.json").read_text())["rows"]
+    assert row["cell"]["best"] == {"inner.lr": 0.01} and row["cell"]["tried"] == {"inner.lr": [0.01]}
+    assert row["dp"] is None and row["pct_over_dp"] is None and row["final_val_loss"] == 3.0
+    assert "no DP run with these settings" in (root / "report.md").read_text()
+
+
+def test_the_builtin_adamw_is_tuned_on_its_own_lr_only(tmp_path):
+    """inner.lr does not act on the built-in adamw (it reads inner.adamw.lr): runs that differ only there
+    are one candidate, and its seeds pair across them."""
+    root = tmp_path / "sweep"
+    for name, inner_lr, adamw_lr, seed, loss in [
+        ("a0", 0.01, 0.003, 0, 3.0),
+        ("a1", 0.02, 0.003, 1, 3.2),  # the same candidate as a0: inner.lr is ignored
+        ("b0", 0.01, 0.006, 0, 3.1),
+    ]:
+        overrides = ["inner.optimizer=adamw", f"inner.lr={inner_lr}", f"inner.adamw.lr={adamw_lr}"]
+        fake_run(root, name, [*overrides, f"run.seed={seed}"], loss)
+    build_report(root, TuneSpec(over=("inner.lr", "inner.adamw.lr")))
+    [row] = json.loads((root / "tuned.json").read_text())["rows"]
+    cell = row["cell"]
+    assert cell["tried"] == {"inner.lr": [None], "inner.adamw.lr": [0.003, 0.006]}
+    assert cell["best"]["inner.adamw.lr"] == 0.003 and cell["chosen_on_seeds"] == [0]
+    assert cell["runs"] == {"0": "a0", "1": "a1"}

@@ -20,8 +20,12 @@ import stat
 import struct
 import threading
 from pathlib import Path
+from typing import TypeVar
 
+from muloco.comm.hivemind.exclusion import Exclusion
 from muloco.errors import ConfigError
+
+_Reason = TypeVar("_Reason", bound=str)  # a record's rejection: a group exclusion (Exclusion) or a log text
 
 log = logging.getLogger("muloco")
 
@@ -122,22 +126,22 @@ class SwarmAuth:
         message = b"".join(_encode(f) for f in (_DOMAIN, self.run_id, kind, *fields))
         return hmac.new(self.key, message, hashlib.sha256).digest()
 
-    def check(self, peer: object, kind: str, tag: object, *fields: object) -> str | None:
+    def check(self, peer: object, kind: str, tag: object, *fields: object) -> Exclusion | None:
         """Why `peer`'s record of this kind is rejected (logged once per peer and kind), or None.
         `fields` must include what binds the record to `peer` (its id) exactly as the sender tagged it."""
         if self.allowed is not None and str(peer) not in self.allowed:
-            return self.reject(peer, kind, "not in backend.hivemind.auth.allowed_peers")
+            return self.reject(peer, kind, Exclusion("auth", "not in backend.hivemind.auth.allowed_peers"))
         if self.key is None:
             return None
         try:
             expected = self.tag(kind, *fields)
         except TypeError:
-            return self.reject(peer, kind, "malformed record")
+            return self.reject(peer, kind, Exclusion("malformed", "malformed record"))
         if not isinstance(tag, bytes) or not hmac.compare_digest(tag, expected):
-            return self.reject(peer, kind, "not authenticated (no or another swarm key)")
+            return self.reject(peer, kind, Exclusion("auth", "not authenticated (no or another swarm key)"))
         return None
 
-    def reject(self, peer: object, kind: str, reason: str) -> str:
+    def reject(self, peer: object, kind: str, reason: _Reason) -> _Reason:
         """Log once per peer and kind that its record is rejected, and why; returns the reason."""
         with self._lock:
             first = (str(peer), kind) not in self._logged

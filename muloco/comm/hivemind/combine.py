@@ -10,22 +10,23 @@ import math
 
 import torch
 
+from muloco.comm.hivemind.exclusion import Exclusion
 from muloco.comm.hivemind.settings import is_int
 
 # ---- the group's combine rule (pure functions) ----------------------------------------------------------
 
 
-def contribution_problem(tensors: list[torch.Tensor], shapes: list[torch.Size]) -> str | None:
+def contribution_problem(tensors: list[torch.Tensor], shapes: list[torch.Size]) -> Exclusion | None:
     """Why a decoded contribution cannot be used (count, shape, dtype, non-finite values), or None."""
     if len(tensors) != len(shapes):
-        return f"{len(tensors)} tensors, expected {len(shapes)}"
+        return Exclusion("malformed", f"{len(tensors)} tensors, expected {len(shapes)}")
     for i, (t, shape) in enumerate(zip(tensors, shapes, strict=True)):
         if t.shape != shape:
-            return f"tensor {i} has shape {tuple(t.shape)}, expected {tuple(shape)}"
+            return Exclusion("malformed", f"tensor {i} has shape {tuple(t.shape)}, expected {tuple(shape)}")
         if t.dtype != torch.float32:
-            return f"tensor {i} has dtype {t.dtype}, expected torch.float32"
+            return Exclusion("malformed", f"tensor {i} has dtype {t.dtype}, expected torch.float32")
         if not bool(torch.isfinite(t).all()):
-            return f"tensor {i} holds non-finite values"
+            return Exclusion("non_finite", f"tensor {i} holds non-finite values")
     return None
 
 
@@ -35,7 +36,7 @@ def contribution_norm(tensors: list[torch.Tensor]) -> float:
     return math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors))
 
 
-def norm_outliers(norms: dict[str, float], max_norm_ratio: float) -> dict[str, str]:
+def norm_outliers(norms: dict[str, float], max_norm_ratio: float) -> dict[str, Exclusion]:
     """Contributions whose norm exceeds max_norm_ratio x the lower median norm -> the reason.
 
     The lower median (the smaller middle value) so that of two contributions the larger is flagged when it
@@ -48,63 +49,44 @@ def norm_outliers(norms: dict[str, float], max_norm_ratio: float) -> dict[str, s
     if median <= 0 or math.isinf(median):
         return {}  # all zero, or most overflowed: the mean's own finiteness check decides
     return {
-        key: f"norm {n:.3g} > {max_norm_ratio:g} x the group's median {median:.3g}"
+        key: Exclusion("outlier", f"norm {n:.3g} > {max_norm_ratio:g} x the group's median {median:.3g}")
         for key, n in norms.items()
         if n > max_norm_ratio * median
     }
 
 
-# Why a member's contribution was left out of a group's mean, by kind (the reasons below and in exchange.py
-# and transfer.py, matched by how each begins). Only this peer's own non-finite contribution is the
-# non-finite guard's business (sync/guard.py); the others are counted in summary.json by kind and never
-# end a run: a peer at another step, a failed download or an insider's malformed payload is not divergence.
-EXCLUSION_KINDS = (
-    ("at outer step", "other_step"),
-    ("withheld by its peer", "non_finite"),
-    ("payloads do not match the token", "token_mismatch"),
-    ("payloads arrived cut short", "truncated"),
-    ("download", "download"),
-    ("payload unavailable", "download"),
-    ("not in backend.hivemind.auth.allowed_peers", "auth"),
-    ("not authenticated", "auth"),
-    ("norm ", "outlier"),
-    ("combines by sync.aggregate", "rule"),
-    ("malformed", "malformed"),
-    ("undecodable", "malformed"),
-)
+WITHHELD = "withheld by its peer"  # how a sender's own unusable contribution reads (exchange.py)
 
 
-def exclusion_kind(reason: str) -> str:
-    """The kind of an exclusion reason (EXCLUSION_KINDS); a decoded contribution's problem
-    (contribution_problem) is non_finite for non-finite values and malformed otherwise."""
-    for start, kind in EXCLUSION_KINDS:
-        if reason.startswith(start):
-            return kind
-    return "non_finite" if reason.endswith("non-finite values") else "malformed"
+def withheld(why: str) -> Exclusion:
+    """A contribution its own peer does not send (non-finite or unencodable): it sends no token."""
+    return Exclusion("non_finite", f"{WITHHELD}: {why}")
 
 
-def _metadata_problem(meta, step: int, rule: tuple[str, int]) -> str | None:
+def _metadata_problem(meta, step: int, rule: tuple[str, int]) -> Exclusion | None:
     """Why a member's gathered metadata rules it out (before any download), or None."""
     if not isinstance(meta, dict) or not is_int(meta.get("step")):
-        return "malformed metadata"
+        return Exclusion("malformed", "malformed metadata")
     if meta["step"] != step:
-        return f"at outer step {meta['step']}, this peer at {step}"
+        return Exclusion("other_step", f"at outer step {meta['step']}, this peer at {step}")
     if meta.get("rule") != list(rule):
-        return f"combines by sync.aggregate/trim {meta.get('rule')}, this peer by {list(rule)}"
+        return Exclusion(
+            "rule", f"combines by sync.aggregate/trim {meta.get('rule')}, this peer by {list(rule)}"
+        )
     token = meta.get("token")
     if token is None:
-        return "withheld by its peer (non-finite or unencodable contribution)"
+        return Exclusion("non_finite", f"{WITHHELD} (non-finite or unencodable contribution)")
     if not isinstance(token, bytes) or len(token) != 16:
-        return "malformed metadata"
+        return Exclusion("malformed", "malformed metadata")
     return None
 
 
-def unauthenticated_metadata(auth, fragment: int, peer, meta) -> str | None:
+def unauthenticated_metadata(auth, fragment: int, peer, meta) -> Exclusion | None:
     """Why a member's gathered metadata fails the swarm's authentication (auth.SwarmAuth), or None. The
     tag covers the fragment, step, sender, payload token, state digest and combine rule
     (exchange.FragmentSync)."""
     if not isinstance(meta, dict) or not (isinstance(meta.get("rule"), list) and len(meta["rule"]) == 2):
-        return "malformed metadata"
+        return Exclusion("malformed", "malformed metadata")
     token, digest = meta.get("token") or b"", meta.get("digest", b"")
     fields = (fragment, meta.get("step"), peer, token, digest, *meta["rule"])
     return auth.check(peer, "group metadata", meta.get("tag"), *fields)

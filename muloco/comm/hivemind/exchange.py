@@ -61,10 +61,11 @@ from muloco.comm.hivemind.combine import (
     _metadata_problem,
     contribution_norm,
     contribution_problem,
-    exclusion_kind,
     norm_outliers,
     unauthenticated_metadata,
+    withheld,
 )
+from muloco.comm.hivemind.exclusion import Exclusion, exclusion_kind
 from muloco.comm.hivemind.payloads import MulocoCompression, payload_token, wrap_payload
 from muloco.comm.hivemind.settings import HANDLE_SLACK_S, SyncTimeouts
 from muloco.comm.hivemind.transfer import (
@@ -102,7 +103,7 @@ class AverageResult:
 
     def exclusions(self, own: str) -> tuple[int, dict[str, int]]:
         """(1 if this peer's own contribution was left out as non-finite, else 0; the other exclusions
-        counted by kind, combine.exclusion_kind)."""
+        counted by the kind each was tagged with, exclusion.Exclusion)."""
         own_non_finite, kinds = 0, {}
         for peer, reason in self.excluded_reasons.items():
             kind = exclusion_kind(reason)
@@ -144,7 +145,7 @@ class _Contribution:
     step: int
     messages: list[runtime_pb2.Tensor] | None  # None: withheld (see problem)
     decoded: list[torch.Tensor] | None
-    problem: str | None  # why this peer sends nothing (e.g. non-finite values)
+    problem: Exclusion | None  # why this peer sends nothing (e.g. non-finite values)
     token: bytes = b""
     rule: tuple[str, int] = ("mean", 1)  # (sync.aggregate, sync.trim): how the group combines
     digest: bytes = b""  # this peer's global state digest when the sync starts (state_sharing.py)
@@ -191,7 +192,7 @@ class FragmentSync:
         try:
             messages = [codec.compress(t) for codec, t in zip(self.codecs, tensors, strict=True)]
         except CompressionError as exc:
-            own = _Contribution(int(step), None, None, f"withheld by its peer: {exc}")
+            own = _Contribution(int(step), None, None, withheld(str(exc)))
         else:
             own = self.own_contribution(int(step), messages)
         own.rule, own.digest = rule, digest
@@ -209,10 +210,10 @@ class FragmentSync:
         try:
             decoded = decode_payloads(self.codecs, messages)
         except CompressionError as exc:
-            return _Contribution(step, None, None, f"withheld by its peer: {exc}")
+            return _Contribution(step, None, None, withheld(str(exc)))
         problem = contribution_problem(decoded, self.shapes)
         if problem is not None:
-            return _Contribution(step, None, None, f"withheld by its peer: {problem}")
+            return _Contribution(step, None, None, withheld(problem))
         return _Contribution(step, messages, decoded, None, payload_token(messages))
 
     def launch(self, own: _Contribution, encode_s: float) -> AveragingHandle:
@@ -355,7 +356,7 @@ class FragmentSync:
                 continue
             problem = unauthenticated_metadata(self.auth, self.fragment, peer, meta)
             problem = problem or _metadata_problem(meta, own.step, own.rule)
-            if problem is not None and not problem.startswith("withheld"):
+            if problem is not None and problem.kind != "non_finite":  # withheld: its digest still counts
                 reasons[str(peer)] = problem
                 continue
             if isinstance(meta.get("digest"), bytes):

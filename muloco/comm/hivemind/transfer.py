@@ -21,6 +21,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from muloco.comm.hivemind import mismatch
 from muloco.comm.hivemind.auth import SwarmAuth
 from muloco.comm.hivemind.combine import contribution_problem
+from muloco.comm.hivemind.exclusion import Exclusion
 from muloco.comm.hivemind.payloads import MulocoCompression, payload_token
 from muloco.comm.hivemind.settings import HANDLE_SLACK_S
 from muloco.compress import CompressionError
@@ -213,9 +214,9 @@ def download_all(
         try:
             return await asyncio.wait_for(attempts(peer, token), timeout)
         except asyncio.TimeoutError:
-            return f"download timed out after {timeout:.1f} s"
+            return Exclusion("download", f"download timed out after {timeout:.1f} s")
         except Exception as exc:  # the peer left, refused, or streamed garbage
-            return f"download failed: {type(exc).__name__}: {exc}"
+            return Exclusion("download", f"download failed: {type(exc).__name__}: {exc}")
 
     async def all_of_them():
         results = await asyncio.gather(*(one(p, t) for p, t in tokens.items()))
@@ -226,7 +227,7 @@ def download_all(
     try:
         return loop.run(all_of_them(), timeout=timeout + HANDLE_SLACK_S)
     except (concurrent.futures.TimeoutError, RuntimeError):  # RuntimeError: the swarm was closed
-        return {p: "download did not finish" for p in tokens}
+        return {p: Exclusion("download", "download did not finish") for p in tokens}
 
 
 def decode_payloads(
@@ -248,13 +249,13 @@ def checked_download(
     if isinstance(got, str):
         return got  # the download failed
     if not got:
-        return "payload unavailable (the peer left, or no longer serves it)"
+        return Exclusion("download", "payload unavailable (the peer left, or no longer serves it)")
     if (short := cut_short(got, len(codecs))) is not None:
-        return f"payloads arrived cut short: {short}"
+        return Exclusion("truncated", f"payloads arrived cut short: {short}")
     if payload_token(got) != token:
-        return "payloads do not match the token the peer announced"
+        return Exclusion("token_mismatch", "payloads do not match the token the peer announced")
     try:
         decoded = decode_payloads(codecs, got)
     except CompressionError as exc:
-        return f"undecodable: {exc}"
+        return Exclusion("malformed", f"undecodable: {exc}")
     return contribution_problem(decoded, shapes) or decoded

@@ -1,6 +1,7 @@
 """The group's combine rule (muloco/comm/hivemind/combine.py): which contributions count, and the mean."""
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -9,8 +10,20 @@ pytest.importorskip("hivemind")
 
 from muloco.comm.hivemind import AverageResult, contribution_problem, norm_outliers, wrap_payload  # noqa: E402
 from muloco.comm.hivemind.auth import SwarmAuth  # noqa: E402
-from muloco.comm.hivemind.combine import _metadata_problem, exclusion_kind  # noqa: E402
+from muloco.comm.hivemind.combine import _metadata_problem, withheld  # noqa: E402
+from muloco.comm.hivemind.exclusion import Exclusion, exclusion_kind  # noqa: E402
+from muloco.comm.hivemind.payloads import payload_token  # noqa: E402
 from muloco.comm.hivemind.transfer import checked_download  # noqa: E402
+from muloco.compress import CompressionError  # noqa: E402
+
+
+class Undecodable:
+    """A codec that refuses every payload (as a bad header would make ours)."""
+
+    def extract(self, message):
+        raise CompressionError("1 payloads, expected 2")
+
+
 from muloco.sync.aggregate import aggregate  # noqa: E402
 
 
@@ -50,17 +63,23 @@ def test_every_exclusion_reason_has_its_kind_and_only_own_non_finite_is_left_out
         contribution_problem([torch.zeros(3)], shapes): "malformed",
         checked_download([], b"t", [], shapes): "download",
         checked_download([wrap_payload(b"x")], b"not its token", [], shapes): "token_mismatch",
-        checked_download("download timed out after 5.0 s", b"t", [], shapes): "download",
+        checked_download(
+            Exclusion("download", "download timed out after 5.0 s"), b"t", [], shapes
+        ): "download",
         checked_download([wrap_payload(b"x")], b"t", [None, None], shapes): "truncated",
         next(iter(norm_outliers({"a": 1.0, "b": 1.0, "c": 50.0}, 10.0).values())): "outlier",
         SwarmAuth("run", b"k" * 32).check("peer", "group metadata", b"forged", 1): "auth",
         SwarmAuth("run", allowed_peers=["other"]).check("peer", "group metadata", b"", 1): "auth",
-        "withheld by its peer: tensor 0 holds non-finite values": "non_finite",
-        "undecodable: 1 payloads, expected 2": "malformed",
+        withheld("tensor 0 holds non-finite values"): "non_finite",
+        checked_download(
+            [wrap_payload(b"x")], payload_token([wrap_payload(b"x")]), [Undecodable()], shapes
+        ): "malformed",
     }
     assert {reason: exclusion_kind(reason) for reason in reasons} == reasons
-    result = AverageResult(
-        None, 4, 3, True, {"me": "withheld by its peer: x", "a": "at outer step 2, this peer at 5"}
-    )
+    assert all(isinstance(reason, Exclusion) for reason in reasons)  # every producer tags its kind
+    assert exclusion_kind("an untagged text") == "malformed"
+    assert pickle.loads(pickle.dumps(withheld("x"))).kind == "non_finite"
+    other_step = _metadata_problem({"step": 2, "rule": ["mean", 1], "token": b"t" * 16}, 5, ("mean", 1))
+    result = AverageResult(None, 4, 3, True, {"me": withheld("x"), "a": other_step})
     assert result.exclusions("me") == (1, {"other_step": 1})
     assert result.exclusions("a") == (0, {"non_finite": 1, "other_step": 1})

@@ -50,6 +50,7 @@ def test_a_download_cut_short_or_not_matching_its_token_is_asked_for_again(monke
     from hivemind.proto import runtime_pb2
 
     from muloco.comm.hivemind import transfer
+    from muloco.comm.hivemind.exclusion import exclusion_kind
     from muloco.comm.hivemind.payloads import payload_token
 
     good = [runtime_pb2.Tensor(buffer=b"payload", dtype="uint8", size=[7])]
@@ -66,6 +67,8 @@ def test_a_download_cut_short_or_not_matching_its_token_is_asked_for_again(monke
 
     async def fake_download(p2p, name, peer, request, limit):
         asked.append(peer)
+        if peer == refusing:
+            raise ConnectionResetError("the peer left")
         return served[peer.to_bytes().decode()].pop(0)
 
     class Loop:
@@ -74,8 +77,8 @@ def test_a_download_cut_short_or_not_matching_its_token_is_asked_for_again(monke
 
     monkeypatch.setattr(transfer, "_download", fake_download)
     flaky, short, wrong = PeerID(b"flaky"), PeerID(b"short"), PeerID(b"altered")
-    dropped, gone = PeerID(b"dropped"), PeerID(b"gone")
-    tokens = dict.fromkeys((flaky, short, wrong, dropped, gone), payload_token(good))
+    dropped, gone, refusing = PeerID(b"dropped"), PeerID(b"gone"), PeerID(b"refusing")
+    tokens = dict.fromkeys((flaky, short, wrong, dropped, gone, refusing), payload_token(good))
     got = transfer.download_all(
         Loop(), None, "h", tokens, requests=dict.fromkeys(tokens, b""), limit=99, timeout=5, messages=1
     )
@@ -83,6 +86,8 @@ def test_a_download_cut_short_or_not_matching_its_token_is_asked_for_again(monke
     assert got[dropped] == good and asked.count(dropped) == 2
     assert asked.count(short) == asked.count(wrong) == asked.count(gone) == transfer.DOWNLOAD_ATTEMPTS
     assert transfer.checked_download(got[gone], tokens[gone], [None], []).startswith("payload unavailable")
+    assert got[refusing] == "download failed: ConnectionResetError: the peer left"
+    assert exclusion_kind(got[refusing]) == "download"
     assert transfer.checked_download(got[short], tokens[short], [None], []) == (
         "payloads arrived cut short: message 0 holds 3 of 7 bytes"
     )
