@@ -88,7 +88,8 @@ def gaps(rows: list[dict]) -> tuple[str, dict]:
 
 def alignment(directory: Path, gap_data: dict) -> tuple[str, dict]:
     rows, data = [], {}
-    runs = sorted(load_runs(directory), key=lambda r: (ORDER.index(r.group), r.config["workers"]))
+    done = [r for r in load_runs(directory) if r.completed]
+    runs = sorted(done, key=lambda r: (ORDER.index(r.group), r.config["workers"]))
     for r in runs:
         syncs = [s for s in read_jsonl(r.path / "metrics.jsonl") if s.get("kind") == "sync"]
         later = syncs[len(syncs) // 2 :]  # the second half: past the first rounds' transient

@@ -131,8 +131,8 @@ def test_each_seed_gets_its_own_baseline(write_sweep):
 def test_shipped_sweeps_plan():
     assert {p.name for p in SHIPPED} >= {"inner_optimizers.yaml", "quantization.yaml", "sync_interval.yaml"}
     counts = {p.stem: len(plan_sweep(load_sweep(p), threads=1)) for p in SHIPPED}
-    assert counts["quickstart_workers"] == 16 and counts["quantization"] == 16 and counts["sync_interval"] == 10
-    assert counts["inner_optimizers"] == 120  # 5 optimizers x 3 lrs x (K = 1, 4, 8 + DP) x 2 seeds
+    assert counts["quickstart_workers"] == counts["quantization"] == 16 and counts["sync_interval"] == 10
+    assert counts["inner_optimizers"] == 152  # 19 (optimizer, lr) rows x (K = 1, 4, 8 + DP) x 2 seeds
 
 
 def test_an_unfinished_run_can_resume_with_another_thread_count(write_sweep):
