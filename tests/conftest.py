@@ -1,5 +1,6 @@
 import os
 import signal
+from collections import Counter
 
 import pytest
 import torch
@@ -22,6 +23,22 @@ TINY = [
     "logging.progress=off",
     "sync.every=3",
 ]
+
+
+MAX_TEST_WORKERS = 4  # each multi-process test starts 2-5 processes; more files at once oversubscribe
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): a worker per core, at most MAX_TEST_WORKERS."""
+    return max(1, min(MAX_TEST_WORKERS, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the most slow (multi-process) tests first: xdist's loadfile hands out files in this order,
+    so the long ones start at once and the quick in-process files fill the gaps at the end, instead of a
+    long file starting last and running alone (longest-processing-time-first scheduling)."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: a file's tests keep their order
 
 
 @pytest.fixture(autouse=True)

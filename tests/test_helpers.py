@@ -11,11 +11,13 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
 from muloco.data import ReplicaStream
 from muloco.models import build_model
+from muloco.net import preloaded
 from muloco.optim import build_inner_optimizer
 from muloco.run.lr_schedule import lr_multiplier
 from muloco.run.replica import set_lr_multiplier
@@ -89,9 +91,19 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
 def run_muloco(
     *args, timeout: float = 120, env: dict[str, str] | None = None, cwd=None
 ) -> subprocess.CompletedProcess:
-    """`python -m muloco ARGS` to completion, output captured."""
-    cmd = [sys.executable, "-m", "muloco", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(env), cwd=cwd)
+    """`python -m muloco ARGS` to completion, output captured: forked from the preloaded server, as
+    `muloco sweep` and `muloco launch` start their runs (tests/run/test_preloaded.py holds it to a fresh
+    process, bit for bit), so each call spares torch's import (~3 s of CPU)."""
+    proc = preloaded.start_muloco(
+        [*map(str, args)], env=_env(env), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def run_muloco_here(*args) -> subprocess.CompletedProcess:
@@ -121,10 +133,32 @@ def run_muloco_here(*args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["muloco", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
-def start_muloco(*args, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`python -m muloco ARGS` in the background, stdout and stderr piped; the caller must end it."""
-    cmd = [sys.executable, "-m", "muloco", *map(str, args)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env))
+def start_muloco(*args, env: dict[str, str] | None = None):
+    """`python -m muloco ARGS` in the background (forked from the preloaded server, as run_muloco), stdout
+    and stderr piped; the caller must end it."""
+    args = [*map(str, args)]
+    return preloaded.start_muloco(args, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def launched_ranks(launcher) -> dict[int, psutil.Process]:
+    """The `muloco train` processes under a running `muloco launch`, by LOCAL_RANK (the launcher's process
+    index). They are forked from the launcher's preloaded server, whose title for each leads with its rank
+    (`LOCAL_RANK=1 RANK=1 python -m muloco train ...`, muloco/net/preloaded.py); a plain process (the
+    server's fallback) has it in its environment."""
+    found = {}  # pid -> (local rank, process)
+    for proc in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            words = proc.cmdline()
+            if not {"muloco", "train"} <= set(words):
+                continue
+            titled = dict(w.split("=", 1) for w in words[:2] if w.startswith(("LOCAL_RANK=", "RANK=")))
+            local_rank = titled.get("LOCAL_RANK") or proc.environ().get("LOCAL_RANK")
+        except psutil.NoSuchProcess:
+            continue
+        if local_rank is not None:
+            found[proc.pid] = (int(local_rank), proc)
+    # A rank's own forks (hivemind's DHT and averagers) carry its title too: keep the topmost.
+    return {rank: proc for rank, proc in found.values() if proc.ppid() not in found}
 
 
 class LineReader:

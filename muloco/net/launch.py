@@ -34,6 +34,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from muloco.net.preloaded import start_muloco
+
 GRACE_S = 10.0  # how long ended processes get to write their checkpoint before SIGKILL
 SWARM_START_TIMEOUT_S = 120.0  # how long peer 0 may take to print its multiaddrs
 _MADDRS = re.compile(r"join with backend\.hivemind\.initial_peers=(\[.*\])")
@@ -126,16 +128,16 @@ def launch(
         }
         if "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))  # share the cores
-        cmd = [sys.executable, "-m", "muloco", "train", config, *overrides, f"backend.kind={backend}", *extra]
-        # Own process group: a terminal's Ctrl+C reaches the launcher only, which forwards it once.
-        proc = subprocess.Popen(
-            cmd,
+        args = ["train", config, *overrides, f"backend.kind={backend}", *extra]
+        # Own process group: a terminal's Ctrl+C reaches the launcher only, which forwards it once. Forked
+        # from the preloaded server (muloco/net/preloaded.py): the ranks spare torch's import.
+        proc = start_muloco(
+            args,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            preexec_fn=sigterm_when_parent_dies,
+            new_session=True,
+            die_with_parent=True,
         )
         procs.append(proc)
         tail: deque = deque(maxlen=20)
@@ -159,12 +161,14 @@ def launch(
     reported: set[int] = set()
     try:
         while any(p.poll() is None for p in procs):
-            for rank, p in enumerate(procs):
-                code = p.poll()
-                if code not in (None, 0) and failed_rank is None and not forwarded:
-                    failed_rank = rank
-                    if not independent:
-                        end_processes(procs)
+            polled = [p.poll() for p in procs]
+            failed = [rank for rank, code in enumerate(polled) if code not in (None, 0)]
+            if failed and failed_rank is None and not forwarded:
+                # Seen in one look, a rank killed by a signal is the cause: the others exit 1 on its reset.
+                failed_rank = min(failed, key=lambda rank: (polled[rank] > 0, rank))
+                if not independent:
+                    end_processes(procs)
+            for rank, code in enumerate(polled):
                 worker = rank // R
                 if (
                     code not in (None, 0)

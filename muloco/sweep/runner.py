@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from muloco.net.preloaded import PreloadedProcess, start_muloco
 from muloco.sweep.plan import PlannedRun
 from muloco.sweep.spec import SweepSpec, _canonical, _flatten
 
@@ -34,14 +34,10 @@ def run_status(run_dir: Path) -> str:
         return "failed"
 
 
-def train_command(spec: SweepSpec, run: PlannedRun) -> list[str]:
-    return [sys.executable, "-m", "muloco", "train", str(spec.base), *run.overrides]
-
-
-def start_process(spec: SweepSpec, run: PlannedRun, log_path: Path) -> subprocess.Popen:
-    """Start `muloco train` for one run, stdout and stderr appended to log_path. It gets its own session,
-    so a Ctrl+C reaches it once, forwarded by the sweep (a second SIGINT would make it skip its final
-    checkpoint)."""
+def start_process(spec: SweepSpec, run: PlannedRun, log_path: Path) -> PreloadedProcess | subprocess.Popen:
+    """Start `muloco train` for one run, stdout and stderr appended to log_path, forked from the preloaded
+    server (muloco/net/preloaded.py: each run spares torch's import). It gets its own session, so a Ctrl+C
+    reaches it once, forwarded by the sweep (a second SIGINT would make it skip its final checkpoint)."""
     env = dict(os.environ)
     threads = run.config.train.threads
     if threads:
@@ -49,14 +45,8 @@ def start_process(spec: SweepSpec, run: PlannedRun, log_path: Path) -> subproces
     with open(log_path, "a", encoding="utf-8") as log_file:
         log_file.write(f"=== muloco sweep {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(run.overrides)}\n")
         log_file.flush()
-        return subprocess.Popen(
-            train_command(spec, run),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
+        args = ["train", str(spec.base), *run.overrides]
+        return start_muloco(args, env=env, stdout=log_file, stderr=subprocess.STDOUT, new_session=True)
 
 
 @dataclass

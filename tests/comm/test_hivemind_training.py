@@ -12,6 +12,7 @@ from test_helpers import (
     LineReader,
     assert_same_global_params,
     final_global_params,
+    launched_ranks,
     run_muloco,
     start_muloco,
     sync_records,
@@ -87,9 +88,7 @@ def test_a_killed_peer_costs_the_others_at_most_a_timeout(tmp_path, TINY):
             if (victim_dir / "metrics.jsonl").exists() and len(sync_records(victim_dir)) >= 2:
                 break
             time.sleep(0.1)
-        # The launcher's direct children are the peers (their own children: hivemind's DHT, averagers, p2pd).
-        peers = psutil.Process(launcher.pid).children(recursive=False)
-        victim = next(c for c in peers if c.environ().get("RANK") == "2")
+        victim = launched_ranks(launcher)[2]  # its own children: hivemind's DHT, averagers, p2pd
         victim_tree = victim.children(recursive=True)
         victim.kill()  # SIGKILL at outer step 2
         _, err = launcher.communicate(timeout=180)

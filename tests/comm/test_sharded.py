@@ -7,12 +7,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from conftest import TINY
 from test_helpers import (
     assert_equal_up_to_rounding,
+    launched_ranks,
     run_combo_ranks,
     run_muloco,
     run_muloco_here,
@@ -153,8 +153,7 @@ def test_sharded_checkpoints_resume_bitwise_after_a_kill_and_with_fewer_ranks(tm
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and len(list_sharded(checkpoints)) < 2:
             time.sleep(0.02)
-        ranks = psutil.Process(launcher.pid).children(recursive=False)
-        next(p for p in ranks if p.environ().get("RANK") == "1").kill()
+        launched_ranks(launcher)[1].kill()
         _, err = launcher.communicate(timeout=180)
     finally:
         launcher.kill()

@@ -1,5 +1,6 @@
 """torch.distributed backend (gloo, loopback): simulation == processes, the launcher's failure handling."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import psutil
 import pytest
 import torch
 from conftest import TINY
-from test_helpers import run_combo_ranks, run_muloco, start_muloco
+from test_helpers import launched_ranks, run_combo_ranks, run_muloco, start_muloco
 
 from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
 from muloco.config import load_config
@@ -197,10 +198,9 @@ def test_killed_rank_stops_the_launcher_and_resume_completes(tmp_path, TINY):
         deadline = time.monotonic() + 90
         while len(list_checkpoints(ckpt_dir)) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        children = psutil.Process(launcher.pid).children(recursive=True)
-        ranks = [c for c in children if "train" in " ".join(c.cmdline())]
-        assert len(ranks) == 2
-        victim = next(c for c in ranks if c.environ().get("RANK") == "1")
+        by_rank = launched_ranks(launcher)
+        assert sorted(by_rank) == [0, 1]
+        ranks, victim = list(by_rank.values()), by_rank[1]
         victim.kill()
         _, err = launcher.communicate(timeout=60)
     finally:
@@ -267,15 +267,17 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path, TINY):
     launcher = start_muloco("launch", "--nproc", 2, QS, *overrides)
     try:
         assert launcher.stdout.readline().startswith("[rank 0] kind=eval")
-        ranks = psutil.Process(launcher.pid).children(recursive=True)
+        ranks = list(launched_ranks(launcher).values())
         assert len(ranks) == 2
-        launcher.kill()  # SIGKILL: no chance to clean up; the kernel tells the ranks
+        launcher.kill()  # SIGKILL: no chance to clean up; its server (or the kernel) tells the ranks
         launcher.wait(timeout=10)
         gone, alive = psutil.wait_procs(ranks, timeout=60)
         assert not alive
     finally:
-        for p in psutil.Process().children(recursive=True):
-            p.kill()
+        launcher.kill()
+        for p in ranks if "ranks" in locals() else []:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
 
 
 def test_torchrun_works_with_the_local_backend_config(tmp_path, TINY):

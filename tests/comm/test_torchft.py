@@ -6,13 +6,13 @@ import json
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from conftest import TINY
 from test_helpers import (
     assert_same_global_params,
     final_global_params,
+    launched_ranks,
     run_combo_ranks,
     run_muloco,
     start_muloco,
@@ -97,14 +97,13 @@ def _wait_for_syncs(run_dir: Path, count: int, timeout_s: float = 120) -> None:
 
 def _kill_worker(launcher, process: int) -> None:
     """SIGKILL the launcher's process-th process (a worker's rank; one rank per worker: worker `process`)."""
-    workers = psutil.Process(launcher.pid).children(recursive=False)
-    next(c for c in workers if c.environ().get("LOCAL_RANK") == str(process)).kill()
+    launched_ranks(launcher)[process].kill()
 
 
 def _lighthouse_of(launcher) -> str:
     return next(
         arg.split("=", 1)[1]
-        for arg in psutil.Process(launcher.pid).children()[0].cmdline()
+        for arg in launched_ranks(launcher)[0].cmdline()
         if arg.startswith("backend.torchft.lighthouse=")
     )
 

@@ -70,6 +70,10 @@ def run_swarm(honest: int, overrides: list[str], identities: Path, key: Path, ro
         join = [f"backend.hivemind.initial_peers={line.split('initial_peers=')[1].strip()}"]
         if rogue is not None:
             start("rogue", rogue["index"], [*join, *(auth if rogue["key"] else [])], rogue["flags"])
+            # In the swarm before the honest peers start their syncs: a fresh process (rogue_peer.py) takes
+            # seconds to import torch, while a peer forked from the preloaded server starts at once, and an
+            # intruder that arrives after the honest run has ended tests nothing.
+            readers["rogue"].wait_for("hivemind swarm run_id=", 120)
         for i in range(1, honest):
             start(
                 f"peer{i}", i, [*join, *auth, f"backend.hivemind.identity_path={identities / f'peer{i}.id'}"]
