@@ -264,6 +264,7 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path, TINY):
         "run.name=run",
         f"run.output_dir={tmp_path}",
     ]
+    ranks = []
     launcher = start_muloco("launch", "--nproc", 2, QS, *overrides)
     try:
         assert launcher.stdout.readline().startswith("[rank 0] kind=eval")
@@ -275,7 +276,7 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path, TINY):
         assert not alive
     finally:
         launcher.kill()
-        for p in ranks if "ranks" in locals() else []:
+        for p in ranks:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
 

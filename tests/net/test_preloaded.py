@@ -156,6 +156,7 @@ def test_children_that_die_with_their_parent_end_when_the_caller_goes(tmp_path):
         "time.sleep(600)\n"
     )
     caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=_env())
+    child = None
     try:
         child = int(caller.stdout.readline())
         caller.kill()
@@ -167,7 +168,7 @@ def test_children_that_die_with_their_parent_end_when_the_caller_goes(tmp_path):
     finally:
         caller.kill()
         caller.wait(timeout=30)
-        if _alive(child := locals().get("child", 0)) and child:
+        if child is not None and _alive(child):
             os.kill(child, signal.SIGKILL)
 
 
