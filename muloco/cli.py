@@ -8,6 +8,8 @@
     muloco plan --params 150M ...           projected time per outer step on a WAN link (DDP vs DiLoCo ...)
     muloco data prepare INPUT... --out DIR  token files (byte or BPE) for data.source: tokens
     muloco sample RUN_DIR [--prompt TEXT]   text from the newest checkpoint of a run
+    muloco export RUN_DIR OUT               the run's model as a Hugging Face directory
+    muloco eval PATH [--data DIR]           loss, perplexity, bits per byte of a run or an HF model directory
 
 Bad input exits with code 2 and one line naming the field or file and the fix; never a traceback.
 """
@@ -99,6 +101,24 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 = all")
     sample.add_argument("--seed", type=int, default=0, help="sampling seed")
     sample.add_argument("--samples", type=int, default=1, help="independent samples to print")
+    export = sub.add_parser("export", help="write a run's model as a Hugging Face directory (docs/models.md)")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds config.yaml)")
+    export.add_argument(
+        "out", metavar="OUT", help="the directory to write (new or empty; --force to replace)"
+    )
+    export.add_argument("--step", type=int, help="the checkpoint of this inner step (default: the newest)")
+    export.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights' dtype")
+    export.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    evaluate = sub.add_parser(
+        "eval", help="loss, perplexity and bits per byte of a run or a Hugging Face model directory"
+    )
+    evaluate.add_argument("path", metavar="PATH", help="a run directory, or a Hugging Face model directory")
+    evaluate.add_argument("--data", help="prepared token files (default: the run's own val split)")
+    evaluate.add_argument("--tokens", type=int, help="val tokens (default: the run's train.eval_tokens)")
+    evaluate.add_argument("--step", type=int, help="a run's checkpoint of this inner step (default: newest)")
+    evaluate.add_argument("--seq-len", type=int, help="an HF directory's context (default: its config's)")
+    evaluate.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to run")
+    evaluate.add_argument("--out", help="the JSON file to write (default for a run: RUN_DIR/eval/...)")
     key = sub.add_parser(
         "swarm-key", help="write a new random key for backend.hivemind.auth.key_file (mode 0600)"
     )
@@ -227,6 +247,46 @@ def cmd_sample(args: argparse.Namespace) -> int:
         samples=args.samples,
     ):
         print(text)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from muloco.tools.export import export_run
+
+    out = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype, force=args.force)
+    logging.getLogger("muloco").info(
+        "exported out=%s: AutoModelForCausalLM.from_pretrained(%r), AutoTokenizer.from_pretrained(%r)",
+        out,
+        str(out),
+        str(out),
+    )
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from muloco.tools.eval_model import evaluate_path
+
+    result = evaluate_path(
+        args.path,
+        data=args.data,
+        tokens=args.tokens,
+        step=args.step,
+        seq_len=args.seq_len,
+        device=args.device,
+        out=args.out,
+    )
+    bpb = result["bits_per_byte"]
+    logging.getLogger("muloco").info(
+        "eval loss=%.4f perplexity=%.3f bits_per_byte=%s tokens=%d data=%s",
+        result["loss"],
+        result["perplexity"],
+        "n/a" if bpb is None else f"{bpb:.4f}",
+        result["tokens"],
+        result["data"],
+    )
+    print(json.dumps(result, indent=2))
     return 0
 
 
@@ -366,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         "plan": cmd_plan,
         "data": cmd_data,
         "sample": cmd_sample,
+        "export": cmd_export,
+        "eval": cmd_eval,
         "swarm-key": cmd_swarm_key,
     }
     try:

@@ -74,3 +74,29 @@ def test_the_docs_train_commands_run_one_after_another_and_no_run_is_lost(tmp_pa
     assert len(moved) == 1 and moved[0].name.startswith("quickstart-")
     assert (moved[0] / "summary.json").read_text() == before  # the earlier run, whole
     assert (moved[0] / "checkpoints").is_dir() and (runs / "quickstart" / "summary.json").is_file()
+
+
+def test_the_quickstarts_eval_and_export_commands_and_its_transformers_lines_run(
+    tmp_path, monkeypatch, capsys
+):
+    """docs/quickstart.md "Use it elsewhere": its muloco eval and export commands on the (tiny) quickstart
+    run, then its Python block, which loads the export in transformers and generates."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from muloco.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "quickstart.yaml").write_text(TINY_QUICKSTART)
+    assert main(["train", "quickstart.yaml"]) == 0
+    text = (DOCS / "quickstart.md").read_text().split("## Use it elsewhere")[1].split("\n## ")[0]
+    commands = re.findall(r"^muloco (eval|export)([^#\n]*)", text, flags=re.M)
+    assert [c[0] for c in commands] == ["eval", "export"]
+    for command, args in commands:
+        assert main([command, *args.split()]) == 0, (command, args)
+    block = re.findall(r"```python\n(.*?)```", text, flags=re.S)[0]
+    assert len([line for line in block.splitlines() if line.strip()]) <= 5  # "in 5 lines of Python"
+    capsys.readouterr()
+    block = block.replace("max_new_tokens=40", "max_new_tokens=20")  # the tiny run's context is 32
+    exec(compile(block, "docs/quickstart.md", "exec"), {"__name__": "docs_example"})
+    assert capsys.readouterr().out.startswith("def ")

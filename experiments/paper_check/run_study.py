@@ -108,6 +108,7 @@ def main() -> None:
                 "muloco",
                 "train",
                 BASE,
+                "model.norm=rmsnorm",  # the studies' norm (layernorm became the default later)
                 *overrides,
                 *args.extra,
                 f"run.output_dir={out_dir}",

@@ -266,7 +266,13 @@ class Config(Section):
             data[section].pop(name, None)
         # Keys added after checkpoints existed count only when set, so older checkpoints still resume.
         model = data["model"]
-        for key, default in (("qkv", "fused"), ("factory", None), ("kwargs", {}), ("hf", None)):
+        for key, default in (
+            ("qkv", "fused"),
+            ("factory", None),
+            ("kwargs", {}),
+            ("hf", None),
+            ("init_from", None),
+        ):
             if model.get(key) == default:
                 del model[key]
         if data.get("sharding") == "replicate":

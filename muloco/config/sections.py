@@ -49,7 +49,12 @@ class ModelConfig(Section):
     )
     seq_len: int = Field(256, gt=0, description="Context length in tokens.")
     mlp_ratio: int = Field(4, gt=0, description="MLP hidden width = mlp_ratio x d_model.")
-    norm: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="Normalization layer.")
+    norm: Literal["rmsnorm", "layernorm"] = Field(
+        "layernorm",
+        description="Normalization layer (no bias either way). layernorm: the built-in GPT is then exactly "
+        "Hugging Face GPT-2 and exports (`muloco export`, docs/models.md); rmsnorm: the default before "
+        "that, no cost either way in the pico regime (docs/results.md).",
+    )
     qkv: Literal["fused", "split"] = Field(
         "fused",
         description="Attention's query/key/value weights: one (3C, C) matrix, or three (C, C) ones as in "
@@ -71,7 +76,14 @@ class ModelConfig(Section):
         description="A Hugging Face causal LM built from a config, random init, no download (`pip install -e "
         '".[hf]"`): a local config.json (or its directory), or a mapping `{model_type: llama, hidden_size: '
         "256, ...}` of overrides (optionally with `config: PATH`). vocab_size and the context length default "
-        "to the data's and model.seq_len.",
+        "to the data's and model.seq_len. `{pretrained: DIR}`: the model a save_pretrained directory holds, "
+        "with its weights (local files only; docs/models.md).",
+    )
+    init_from: str | None = Field(
+        None,
+        description="Start from another muloco run's trained weights instead of a random init: its run "
+        "directory (the newest checkpoint's global parameters) or one checkpoint (a step_*.pt file or a "
+        "sharded step_* directory). The model must be the same (docs/models.md).",
     )
     compile: bool = Field(
         False,
@@ -86,6 +98,10 @@ class ModelConfig(Section):
         if self.kwargs and self.factory is None:
             raise ValueError(
                 "model.kwargs applies to model.factory; set model.factory or remove model.kwargs"
+            )
+        if self.init_from is not None and isinstance(self.hf, dict) and self.hf.get("pretrained") is not None:
+            raise ValueError(
+                "model.init_from and model.hf.pretrained both name the first weights; keep one of them"
             )
         if self.factory is not None and (":" not in self.factory or self.factory.count(":") != 1):
             raise ValueError(f"model.factory: {self.factory!r} must look like 'package.module:function'")

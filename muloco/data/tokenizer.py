@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
+
 from muloco.errors import DataError, UserError
 
 EOT_TEXT = "<|endoftext|>"  # GPT-2's end-of-text token, the special token of the BPEs we train
@@ -126,3 +128,52 @@ def load_run_tokenizer(run_dir: Path, info: dict) -> ByteTokenizer | BpeTokenize
             "unknown; prepare the data with `muloco data prepare` (it records the tokenizer) to sample"
         )
     return load_bpe(run_dir / kind, field=str(run_dir))
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> character table (Radford et al. 2019, openai/gpt-2 encoder.py `bytes_to_unicode`):
+    printable bytes are themselves, the other 68 are shifted past 255, so every byte is a visible character.
+    tokenizers' ByteLevel pre-tokenizer and decoder use the same table."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def byte_tokenizer_for_hf():
+    """A `tokenizers.Tokenizer` whose ids are the UTF-8 bytes (id b = byte b), as ByteTokenizer: a byte-level
+    BPE with the 256 byte symbols and no merges, so Hugging Face loads it without custom code and it
+    round-trips any text."""
+    tokenizers = _tokenizers()
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in byte_level_alphabet().items()}
+    tokenizer = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def token_byte_lengths(tokenizer: ByteTokenizer | BpeTokenizer, vocab_size: int) -> np.ndarray:
+    """UTF-8 bytes of text each id stands for (0 for end-of-text and other special or unused ids), to turn
+    a loss per token into bits per byte."""
+    lengths = np.zeros(vocab_size, dtype=np.int64)
+    if isinstance(tokenizer, ByteTokenizer):
+        lengths[1:BYTE_VOCAB] = 1
+        return lengths
+    to_byte = {char: byte for byte, char in byte_level_alphabet().items()}
+    special = {t.content for t in tokenizer.tokenizer.get_added_tokens_decoder().values() if t.special}
+    for i in range(min(vocab_size, tokenizer.vocab_size)):
+        token = tokenizer.tokenizer.id_to_token(i)
+        if token is None or token in special:
+            continue
+        if all(c in to_byte for c in token):  # a byte-level BPE token: one character per byte
+            lengths[i] = len(token)
+        else:  # another scheme (e.g. SentencePiece's): its decoded text
+            lengths[i] = len(tokenizer.decode([i]).encode("utf-8"))
+    return lengths

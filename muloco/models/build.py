@@ -32,5 +32,9 @@ def describe_model(model_cfg) -> str:
         return f"factory {model_cfg.factory}"
     if model_cfg.hf is not None:
         hf = model_cfg.hf
-        return f"hf {hf}" if isinstance(hf, str) else f"hf {hf.get('model_type', hf.get('config'))}"
+        if isinstance(hf, str):
+            return f"hf {hf}"
+        if hf.get("pretrained") is not None:
+            return f"hf pretrained={hf['pretrained']}"
+        return f"hf {hf.get('model_type', hf.get('config'))}"
     return f"gpt preset={model_cfg.preset} d_model={model_cfg.d_model} n_layers={model_cfg.n_layers}"

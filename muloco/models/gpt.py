@@ -1,4 +1,4 @@
-"""A compact GPT: pre-norm blocks, RMSNorm, causal SDPA attention, GELU MLP, untied output head.
+"""A compact GPT: pre-norm blocks, LayerNorm or RMSNorm, causal SDPA attention, GELU MLP, untied head.
 
 Shapes follow nanoGPT: B batch, T time, C = d_model, nh heads, hs = C / nh head size.
 """
@@ -23,7 +23,7 @@ class GPTConfig:
     n_layers: int = 4
     n_heads: int = 4
     mlp_ratio: int = 4
-    norm: str = "rmsnorm"
+    norm: str = "layernorm"  # the schema's default: GPT-2's norm, so the model exports (gpt2.py)
     qkv: str = "fused"  # fused: one (3C, C) matrix; split: three (C, C) ones, as Llama's wq, wk, wv
 
 

@@ -5,6 +5,9 @@
 then `AutoModelForCausalLM.from_config`. Unknown keys are errors (transformers would silently keep them).
 The vocabulary and the context length default to the data's and model.seq_len; bos/eos/pad ids that fall
 outside a smaller vocabulary are cleared. transformers is an optional extra: `pip install -e ".[hf]"`.
+
+`model.hf: {pretrained: DIR}` is the model a `save_pretrained` directory holds, as it is (its config,
+vocabulary and context); its weights are loaded at the start of a run by `load_pretrained` (models/init.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def _transformers():
     except ImportError:
         raise ConfigError('model.hf needs Hugging Face transformers: pip install -e ".[hf]"') from None
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars on every load and save
     return transformers
 
 
@@ -69,8 +73,74 @@ def _check_keys(config_class, values: dict[str, Any], model_type: str) -> None:
             raise ConfigError(f"model.hf.{key}: not a setting of {model_type} configs{hint}")
 
 
+def pretrained_dir(spec: str | dict[str, Any] | None) -> Path | None:
+    """The directory of `model.hf.pretrained`, checked to hold a saved model, or None."""
+    if not isinstance(spec, dict) or spec.get("pretrained") is None:
+        return None
+    others = sorted(set(spec) - {"pretrained"})
+    if others:
+        raise ConfigError(
+            f"model.hf.{others[0]}: a pretrained model keeps its own architecture; remove the key, or drop "
+            "model.hf.pretrained to build a model from settings"
+        )
+    directory = Path(str(spec["pretrained"])).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(
+            f"model.hf.pretrained: {directory} is not a directory; name one written by save_pretrained"
+        )
+    if not (directory / "config.json").is_file():
+        raise ConfigError(
+            f"model.hf.pretrained: {directory} has no config.json, so it is not a saved model; name a "
+            "directory written by save_pretrained"
+        )
+    weights = [*directory.glob("*.safetensors"), *directory.glob("*.bin")]
+    if not weights:
+        raise ConfigError(
+            f"model.hf.pretrained: {directory} holds no weights (*.safetensors); name a directory written "
+            "by save_pretrained"
+        )
+    return directory
+
+
+def _pretrained_config(directory: Path):
+    transformers = _transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError for a foreign file
+        raise ConfigError(
+            f"model.hf.pretrained: {directory}/config.json is not a model config ({one_line(exc)})"
+        ) from None
+    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(
+            f"model.hf.pretrained: {directory} holds a {config.model_type} model, which has no causal LM in "
+            "transformers; name a decoder model"
+        )
+    return config
+
+
+def load_pretrained(directory: Path) -> nn.Module:
+    """The model saved in `directory`, with its weights (local files only, fp32)."""
+    transformers = _transformers()
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            directory, local_files_only=True, dtype=torch.float32
+        )
+    except Exception as exc:
+        raise ConfigError(f"model.hf.pretrained: cannot load {directory} ({one_line(exc)[:300]})") from None
+
+
 def build_hf_model(spec: str | dict[str, Any], vocab_size: int, seq_len: int) -> nn.Module:
     transformers = _transformers()
+    directory = pretrained_dir(spec)
+    if directory is not None:  # the architecture only: the weights come at the run's start (init.py)
+        config = _pretrained_config(directory)
+        if config.vocab_size < vocab_size:
+            raise ConfigError(
+                f"model.hf.pretrained: the model's vocabulary has {config.vocab_size} tokens but the data's "
+                f"has {vocab_size}; prepare the data with its tokenizer (muloco data prepare ... --tokenizer "
+                f"{directory})"
+            )
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     values = hf_config_values(spec)
     model_type = values.pop("model_type", None)
     if not model_type:

@@ -28,7 +28,9 @@ from muloco.comm.sharding import layout_free_fingerprint
 from muloco.comm.topology import build_topology
 from muloco.config import Config
 from muloco.data import ReplicaStream, load_data, val_batches
+from muloco.errors import CheckpointError
 from muloco.models import build_model, describe_model
+from muloco.models.init import initialize
 from muloco.net.wan import Link
 from muloco.run.batched import use_batched
 from muloco.run.build import (
@@ -109,6 +111,7 @@ class Trainer:
         # are also broadcast (every process must take part), so all replicas start identical.
         torch.manual_seed(cfg.run.seed)
         template = build_model(cfg.model, self.data.vocab_size)
+        self.init_source = initialize(template, cfg.model)  # pretrained or another run's weights, if named
         self.backend.broadcast([p.data for p in template.parameters()], src=0).wait()
         self.num_params = sum(p.numel() for p in template.parameters())
         self.offload = ReplicaOffload(self.device) if offload_applies(cfg, self.device) else None
@@ -180,6 +183,13 @@ class Trainer:
         if found is None:
             return
         path, state = found
+        source = self.init_source
+        if source is not None and state.get("init_digest") != source.digest:
+            raise CheckpointError(
+                f"{source.field}: the weights at {source.path} changed since checkpoint {path} was written "
+                f"(digest {source.digest}, then {state.get('init_digest')}); restore them, or start over "
+                "with checkpoint.resume=never"
+            )
         load_components(self.components, state, path)
         self.resumed_from, progress = path, self.progress
         log.info("resumed checkpoint=%s step=%d outer_steps=%d", path, progress.steps, progress.outer_steps)
@@ -343,6 +353,7 @@ class Trainer:
             "local_replicas": len(self.local_indices),
             "device": self.device,
             "model": describe_model(cfg.model),
+            **({"init": self.init_source.describe()} if self.init_source is not None else {}),
             "params": self.num_params,
             "data": self.data.description,
             "steps": self.total_steps,
@@ -356,6 +367,8 @@ class Trainer:
         """Every component's state under its name, written atomically (checkpoint.py)."""
         self.progress.elapsed_s = self._elapsed()
         state = {"fingerprint": self.cfg.fingerprint(), "local_indices": self.local_indices}
+        if self.init_source is not None:
+            state["init_digest"] = self.init_source.digest
         state.update({name: component.state_dict() for name, component in self.components.items()})
         step, keep = self.progress.steps, self.cfg.checkpoint.keep
         with record_function("muloco::checkpoint"):

@@ -1,83 +1,20 @@
 """`muloco sample RUN_DIR`: text from the newest checkpoint of a run.
 
-The model is rebuilt from the run's `config.yaml` and loaded with the global parameters (DiLoCo: the outer
-optimizer's copy, which every worker starts each round from; dp: the one model); the tokenizer comes from
-the run directory (`tokenizer_info.json`, `tokenizer.json`), so the data need not be present. Sampling is
+The model and tokenizer come from the run directory (tools/trained.py: the global parameters of the newest
+checkpoint, the run's own tokenizer), so the data need not be present. Sampling is
 autoregressive over the last `model.seq_len` tokens, with temperature and top-k, seeded: the same
 arguments give the same text.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from muloco.checkpoint.plain import find_resume_state
-from muloco.checkpoint.sharded import list_sharded, load_sharded, newest_intact
-from muloco.config import load_config
-from muloco.data.tokenizer import ByteTokenizer, load_run_tokenizer
-from muloco.errors import CheckpointError, UserError, one_line
-from muloco.models import build_model
-from muloco.run.run_dir import TOKENIZER_RECORD
-
-
-def _tokenizer_info(run_dir: Path, cfg) -> dict:
-    path = run_dir / TOKENIZER_RECORD
-    if path.is_file():
-        try:
-            info = json.loads(path.read_text(encoding="utf-8"))
-            int(info["vocab_size"])
-            return info
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise UserError(f"RUN_DIR: {path} is unreadable ({one_line(exc)}); rerun or restore it") from None
-    if cfg.data.source in ("builtin", "text"):  # runs from before the record existed: bytes
-        return {"vocab_size": cfg.data.vocab_size or ByteTokenizer.vocab_size, "tokenizer": "byte"}
-    raise UserError(f"RUN_DIR: {run_dir} has no {TOKENIZER_RECORD}; run it again with this muloco to sample")
-
-
-def load_trained_model(run_dir: Path) -> tuple[nn.Module, object, int]:
-    """(model with the newest checkpoint's global parameters, tokenizer, model.seq_len)."""
-    if not (run_dir / "config.yaml").is_file():
-        raise UserError(
-            f"RUN_DIR: {run_dir} has no config.yaml; name a run directory such as runs/quickstart"
-        )
-    cfg = load_config(str(run_dir / "config.yaml"))
-    info = _tokenizer_info(run_dir, cfg)
-    if cfg.sharding == "fsdp":  # the newest sharded checkpoint, read whole (sharded_checkpoint.py)
-        directory = run_dir / "checkpoints" / "sharded"
-        newest, problem = newest_intact(list_sharded(directory))
-        if problem:
-            raise CheckpointError(problem)
-        found = (directory / newest, load_sharded(directory / newest, "replica0", None)) if newest else None
-    else:
-        found = find_resume_state("auto", run_dir / "checkpoints")
-    if found is None:
-        raise UserError(
-            f"RUN_DIR: {run_dir} has no checkpoint yet; wait for one (checkpoint.every) or the run to end"
-        )
-    path, state = found
-    model = build_model(cfg.model, int(info["vocab_size"]))
-    try:
-        if "engine" in state:
-            outer = state["engine"]["outer"]
-            named = dict(model.named_parameters())
-            if sorted(outer["names"]) != sorted(named):
-                raise ValueError("other parameter names")
-            with torch.no_grad():
-                for name, value in zip(outer["names"], outer["params"], strict=True):
-                    named[name].copy_(value)
-        else:
-            model.load_state_dict(state["replicas"][0]["model"])
-    except (RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(
-            f"checkpoint {path} does not fit the model the run's config.yaml builds now ({one_line(exc)}); "
-            "did the model's code or the data's vocabulary change?"
-        ) from None
-    return model.eval(), load_run_tokenizer(run_dir, info), cfg.model.seq_len
+from muloco.errors import UserError
+from muloco.tools.trained import load_trained_run
 
 
 @torch.no_grad()
@@ -123,8 +60,8 @@ def sample_run(
     """`samples` texts (the prompt and its continuation) from the run in `run_dir`."""
     if tokens < 1 or samples < 1 or not math.isfinite(temperature) or temperature < 0 or top_k < 0:
         raise UserError("--tokens and --samples must be >= 1, --temperature and --top-k >= 0")
-    directory = Path(run_dir).expanduser()
-    model, tokenizer, seq_len = load_trained_model(directory)
+    run = load_trained_run(run_dir)
+    model, tokenizer, seq_len = run.model, run.tokenizer(), run.cfg.model.seq_len
     prompt_ids = tokenizer.encode_batch([prompt])[0] if prompt else []
     if not prompt_ids:  # start where a document starts: after an end-of-text
         prompt_ids = [tokenizer.eot if tokenizer.eot is not None else 0]

@@ -44,13 +44,17 @@ STAT4_EF = ["compression.scheme=statistical", "compression.bits=4", "compression
 STAT4_EF_RS = [*STAT4_EF, "sync.transport=reduce_scatter"]
 
 
-# Each case's overrides and its tolerance against the simulation.
+# Each case's overrides and its tolerance against the simulation: 0 is bitwise, else the largest
+# ||processes - simulation|| / ||simulation|| of a tensor (relative to its norm, not per element: an
+# element near zero says nothing).
 SIMULATION_CASES = {
-    # fp32 all-reduce: gloo sums (d0 + d1) + (d2 + d3), the simulation ((d0 + d1) + d2) + d3.
+    # fp32 all-reduce: gloo sums (d0 + d1) + (d2 + d3), the simulation ((d0 + d1) + d2) + d3: one
+    # rounding (6e-8) per sync apart; measured 4e-8 of the norm after 4 outer steps.
     "adamw-fp32": (["inner.optimizer=adamw"], 1e-6),
-    # Muon with fp32 Newton-Schulz. (In bf16, the default on this CPU, the ~1e-9 all-reduce rounding
-    # difference flips bf16 roundings and grows to ~1e-2 relative after the next round.)
-    "muon-fp32": (["inner.optimizer=muon", "inner.ns_dtype=fp32"], 1e-6),
+    # Muon with fp32 Newton-Schulz, whose 5 iterations amplify that rounding: measured 8e-7 of the norm
+    # (LayerNorm, 4 processes). A wrong sum is ~1e-2 off. (In bf16, the default on this CPU, the rounding
+    # flips bf16 roundings and grows to ~1e-2 relative after the next round.)
+    "muon-fp32": (["inner.optimizer=muon", "inner.ns_dtype=fp32"], 1e-5),
     # Compressed: every process decodes every replica's payload in replica order, as the simulation.
     "muon-statistical4-ef": (["inner.optimizer=muon", *STAT4_EF, "sync.transport=all_gather"], 0.0),
     # Reduce-scatter: the owners' means are all-gathered and decoded by every process.
@@ -108,7 +112,7 @@ def test_simulation_equals_4x1_and_2x2_processes(tmp_path, process_runs, case):
                 if rtol == 0:
                     assert torch.equal(a, b), (a - b).abs().max()
                 else:
-                    assert torch.allclose(a, b, rtol=rtol, atol=rtol * 0.1), (a - b).abs().max()
+                    assert (a - b).norm() <= rtol * b.norm(), ((a - b).norm() / b.norm()).item()
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["outer_steps"] == 2 and summary["workers"] == 4
         # The logged train loss is the mean over all K replicas, whichever process hosts them.
@@ -131,7 +135,10 @@ def test_streaming_over_processes_equals_the_simulation(tmp_path, process_runs, 
     sim.run()
     run_dir = process_runs / f"{case}-p2"
     for a, b in zip(sim.engine.outer.params, final_global_params(run_dir), strict=True):
-        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * 0.1)
+        if rtol == 0:
+            assert torch.equal(a, b), (a - b).abs().max()
+        else:  # relative to the tensor's norm, as SIMULATION_CASES
+            assert (a - b).norm() <= rtol * b.norm(), ((a - b).norm() / b.norm()).item()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["fragment_syncs"] == sim.progress.fragment_syncs
     assert (

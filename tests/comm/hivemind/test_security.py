@@ -184,13 +184,16 @@ def simulated_val_loss(tmp_path: Path, TINY: list[str], name: str, extra: list[s
 def test_an_insider_is_contained_by_trimmed_mean_and_not_by_the_mean(tmp_path, TINY):
     """The insider holds the key (auth cannot stop it). Every group is all 5 peers, so the swarm computes
     what the simulation computes: trimmed_mean sorts each coordinate's values, so it is the simulation's
-    result bit for bit whatever the peers' order. (This seed lands +0.04% from the all-honest run; over 4
+    result whatever the peers' order (to 1e-6). (This seed lands +0.04% from the all-honest run; over 4
     seeds K = 5 lands +0.04-1.18%, K = 8 +0.54-0.71%: experiments/paper_check/insider_study.py.)"""
     honest = simulated_val_loss(tmp_path, TINY, "honest", [], insider=False)
     simulated = simulated_val_loss(tmp_path, TINY, "trimmed", ["sync.aggregate=trimmed_mean"], insider=True)
     trimmed = swarm_val_loss(tmp_path, TINY, "trimmed_mean")
     with_mean = swarm_val_loss(tmp_path, TINY, "mean")
-    assert trimmed == simulated, (trimmed, simulated)
+    # Bitwise with RMSNorm; with LayerNorm (the default since issue 39) one CI run differed by 6e-8 relative
+    # from step 12 on (3.6308713555 vs 3.6308712959: a last-bit difference of the peers' kernels, not yet
+    # traced). A wrong aggregation moves the loss by > 1e-3 (the mean's +25% below), so 1e-6 still decides.
+    assert abs(trimmed - simulated) <= 1e-6 * simulated, (trimmed, simulated)
     assert abs(trimmed - honest) / honest < 0.01, (honest, trimmed, with_mean)
     assert (with_mean - honest) / honest > 0.1, (honest, trimmed, with_mean)
 
@@ -250,11 +253,18 @@ def test_an_insider_sending_malformed_payloads_at_every_sync_cannot_stop_the_oth
     """Issue 37: an excluded contribution is not a non-finite replica. The insider holds the key and serves
     payloads that do not decode at every sync; the honest peers exclude them as malformed, count them in
     summary.json by kind, and finish with one model. train.max_bad_syncs = 1, so that one exclusion taken
-    for divergence would end a run (under load the insider misses some groups: another step)."""
+    for divergence would end a run."""
     key, identities = tmp_path / "swarm.key", tmp_path / "ids"
     write_key(str(key))
     identities.mkdir()
-    overrides = [*swarm_overrides(tmp_path / "run", TINY, 4, 7680), "train.max_bad_syncs=1"]  # 5 syncs
+    # A group waits up to 20 s for its 4th member (a full group forms at once, so this costs nothing when
+    # all are there): the insider, a fresh process that imports torch, would otherwise reach each sync
+    # late under load and be excluded as another step's, never as malformed.
+    overrides = [
+        *swarm_overrides(tmp_path / "run", TINY, 4, 7680),  # 5 syncs
+        "train.max_bad_syncs=1",
+        "backend.hivemind.matchmaking_time=20",
+    ]
     rogue = {"index": 3, "key": True, "flags": ["--malformed"]}
     logs = run_swarm(3, overrides, identities, key, rogue)
     honest = [tmp_path / "run" / f"peer{i}" for i in range(3)]
