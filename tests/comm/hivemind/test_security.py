@@ -140,7 +140,9 @@ def test_an_intruder_without_the_key_changes_nothing_and_is_named(tmp_path, TINY
 
 
 INSIDER_RUN = ["workers=5", "train.batch_tokens=640", "train.total_tokens=15360", "sync.every=3"]
-INSIDER_RUN += ["inner.optimizer=adamw", "inner.lr=3e-3"]
+# One thread in the peers as in the simulation: LayerNorm's weight gradient on the CPU sums per-thread
+# partials, so its last bits depend on the thread count (docs/reliability.md, "Bitwise needs equal threads").
+INSIDER_RUN += ["inner.optimizer=adamw", "inner.lr=3e-3", "train.threads=1"]
 
 
 def swarm_val_loss(tmp_path: Path, TINY: list[str], aggregate: str) -> float:
@@ -184,16 +186,13 @@ def simulated_val_loss(tmp_path: Path, TINY: list[str], name: str, extra: list[s
 def test_an_insider_is_contained_by_trimmed_mean_and_not_by_the_mean(tmp_path, TINY):
     """The insider holds the key (auth cannot stop it). Every group is all 5 peers, so the swarm computes
     what the simulation computes: trimmed_mean sorts each coordinate's values, so it is the simulation's
-    result whatever the peers' order (to 1e-6). (This seed lands +0.04% from the all-honest run; over 4
+    result bit for bit whatever the peers' order. (This seed lands +0.04% from the all-honest run; over 4
     seeds K = 5 lands +0.04-1.18%, K = 8 +0.54-0.71%: experiments/paper_check/insider_study.py.)"""
     honest = simulated_val_loss(tmp_path, TINY, "honest", [], insider=False)
     simulated = simulated_val_loss(tmp_path, TINY, "trimmed", ["sync.aggregate=trimmed_mean"], insider=True)
     trimmed = swarm_val_loss(tmp_path, TINY, "trimmed_mean")
     with_mean = swarm_val_loss(tmp_path, TINY, "mean")
-    # Bitwise with RMSNorm; with LayerNorm (the default since issue 39) one CI run differed by 6e-8 relative
-    # from step 12 on (3.6308713555 vs 3.6308712959: a last-bit difference of the peers' kernels, not yet
-    # traced). A wrong aggregation moves the loss by > 1e-3 (the mean's +25% below), so 1e-6 still decides.
-    assert abs(trimmed - simulated) <= 1e-6 * simulated, (trimmed, simulated)
+    assert trimmed == simulated, (trimmed, simulated)
     assert abs(trimmed - honest) / honest < 0.01, (honest, trimmed, with_mean)
     assert (with_mean - honest) / honest > 0.1, (honest, trimmed, with_mean)
 
