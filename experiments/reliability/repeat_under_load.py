@@ -6,21 +6,26 @@ By default every hivemind slow test that runs a swarm (SWARM_TESTS), interleaved
 then repeat 2 of each, ... so that a slow phase of the machine hits every test alike. A burner is a process
 spinning on one core for the whole experiment (on this 2-core machine, two burners take as much CPU as the
 test gets). Prints a table (passes, seconds min-max, the failures' last lines) and writes
-experiments/reliability/results/<name>.json (`--name`, default `swarm_tests` or the one test's name).
+experiments/reliability/results/<name>.json (`--name`, default `swarm_tests` or the one test's name). A
+failed run's pytest directory (its peers' logs and run directories) is kept under the temp directory and
+named in the JSON (`kept`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from burners import burners  # experiments/reliability/burners.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[2]
+KEPT = Path(tempfile.gettempdir())  # failed runs' pytest directories stay here (printed and in the JSON)
 SWARM_TESTS = [
     "tests/comm/test_hivemind_training.py::test_three_peers_average_every_sync_and_stay_equal",
     "tests/comm/test_hivemind_training.py::test_a_killed_peer_costs_the_others_at_most_a_timeout",
@@ -34,7 +39,10 @@ SWARM_TESTS = [
 
 def run_once(test: str, timeout_s: float) -> dict:
     t0 = time.monotonic()
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
+    # Each run in a directory of its own, kept when it fails: the peers' logs and run directories are the
+    # evidence (pytest itself keeps only its last 3 base directories).
+    basetemp = Path(tempfile.mkdtemp(prefix=f"repeat_{test.split('::')[-1][:40]}_", dir=KEPT))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={basetemp}", test]
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         passed, lines = done.returncode == 0, done.stdout.strip().splitlines()
@@ -42,7 +50,10 @@ def run_once(test: str, timeout_s: float) -> dict:
         tail = lines[-1:] if passed else [x for x in lines if x.startswith("E ")][:3] + lines[-1:]
     except subprocess.TimeoutExpired:
         passed, tail = False, [f"timed out after {timeout_s:.0f} s"]
-    return {"passed": passed, "seconds": round(time.monotonic() - t0, 1), "result": tail}
+    if passed:
+        shutil.rmtree(basetemp, ignore_errors=True)
+    row = {"passed": passed, "seconds": round(time.monotonic() - t0, 1), "result": tail}
+    return row if passed else {**row, "kept": str(basetemp)}
 
 
 def main() -> int:
