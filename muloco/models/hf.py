@@ -27,7 +27,7 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions")  # Llama-style and GPT
 SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def _transformers():
+def import_transformers():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a config, never a download
     try:
         import transformers
@@ -103,7 +103,7 @@ def pretrained_dir(spec: str | dict[str, Any] | None) -> Path | None:
 
 
 def _pretrained_config(directory: Path):
-    transformers = _transformers()
+    transformers = import_transformers()
     try:
         config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError for a foreign file
@@ -120,7 +120,7 @@ def _pretrained_config(directory: Path):
 
 def load_pretrained(directory: Path) -> nn.Module:
     """The model saved in `directory`, with its weights (local files only, fp32)."""
-    transformers = _transformers()
+    transformers = import_transformers()
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(
             directory, local_files_only=True, dtype=torch.float32
@@ -130,7 +130,7 @@ def load_pretrained(directory: Path) -> nn.Module:
 
 
 def build_hf_model(spec: str | dict[str, Any], vocab_size: int, seq_len: int) -> nn.Module:
-    transformers = _transformers()
+    transformers = import_transformers()
     directory = pretrained_dir(spec)
     if directory is not None:  # the architecture only: the weights come at the run's start (init.py)
         config = _pretrained_config(directory)

@@ -24,7 +24,7 @@ from muloco.config import DataConfig
 from muloco.data import load_data, val_batches
 from muloco.data.tokenizer import ByteTokenizer, load_bpe, token_byte_lengths
 from muloco.errors import DataError, UserError
-from muloco.models.hf import _transformers
+from muloco.models.hf import CONTEXT_KEYS, import_transformers
 from muloco.models.lm import CausalLM
 from muloco.run.build import autocast_factory, resolve_device
 from muloco.run.run_dir import write_json_atomic
@@ -82,7 +82,7 @@ def _run_target(path: Path, step: int | None) -> tuple[EvalTarget, Any, Any]:
 
 
 def _hf_target(path: Path, seq_len: int | None, vocab_size: int) -> EvalTarget:
-    transformers = _transformers()
+    transformers = import_transformers()
     try:
         net = transformers.AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=torch.float32
@@ -92,14 +92,7 @@ def _hf_target(path: Path, seq_len: int | None, vocab_size: int) -> EvalTarget:
         raise UserError(
             f"PATH: cannot load {path} as a Hugging Face model with its tokenizer ({exc})"
         ) from None
-    context = next(
-        (
-            getattr(net.config, k)
-            for k in ("n_positions", "max_position_embeddings")
-            if hasattr(net.config, k)
-        ),
-        None,
-    )
+    context = next((getattr(net.config, k) for k in CONTEXT_KEYS if hasattr(net.config, k)), None)
     seq_len = seq_len or context
     if seq_len is None:
         raise UserError(f"--seq-len: {path}'s config names no context length; set --seq-len")

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from muloco import __version__
-from muloco.data.tokenizer import ByteTokenizer, byte_tokenizer_for_hf
+from muloco.data.tokenizer import BpeTokenizer, ByteTokenizer, byte_tokenizer_for_hf
 from muloco.errors import UserError
 from muloco.models.gpt2 import export_problem, gpt2_config_values, gpt2_state_dict
-from muloco.models.hf import _transformers
+from muloco.models.hf import import_transformers
 from muloco.run.run_dir import TOKENIZER_FILE
 from muloco.tools.trained import TrainedRun, load_trained_run
 
@@ -54,7 +54,7 @@ def hf_model(run: TrainedRun, eot: int | None) -> nn.Module:
     problem = export_problem(cfg)
     if problem is not None:
         raise UserError(problem)
-    transformers = _transformers()
+    transformers = import_transformers()
     values = gpt2_config_values(cfg, int(run.tokenizer_info["vocab_size"]), eot)
     values.pop("model_type")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**values))
@@ -63,10 +63,10 @@ def hf_model(run: TrainedRun, eot: int | None) -> nn.Module:
     return model.eval()
 
 
-def hf_tokenizer(run: TrainedRun, eot: int | None):
+def hf_tokenizer(run: TrainedRun, tokenizer: ByteTokenizer | BpeTokenizer):
     """The run's tokenizer as a transformers fast tokenizer (saved as tokenizer.json + its config)."""
-    transformers = _transformers()
-    tokenizer = run.tokenizer()
+    transformers = import_transformers()
+    eot = tokenizer.eot
     max_length = run.cfg.model.seq_len
     if isinstance(tokenizer, ByteTokenizer):
         return transformers.PreTrainedTokenizerFast(
@@ -81,6 +81,7 @@ def hf_tokenizer(run: TrainedRun, eot: int | None):
 
 
 def _fsync_tree(directory: Path) -> None:
+    """The files' bytes, then the directory's entries."""
     for path in [*directory.iterdir(), directory]:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -96,9 +97,10 @@ def export_run(
     out = Path(out).expanduser().absolute()
     check_out(out, force)
     run = load_trained_run(run_dir, step)
-    eot = run.tokenizer().eot
+    run_tokenizer = run.tokenizer()
+    eot = run_tokenizer.eot
     model = hf_model(run, eot)
-    tokenizer = hf_tokenizer(run, eot)
+    tokenizer = hf_tokenizer(run, run_tokenizer)
     if getattr(model.generation_config, "eos_token_id", None) is None and eot is not None:
         model.generation_config.eos_token_id = eot  # generate() stops at the end of a document
         model.generation_config.pad_token_id = eot
