@@ -55,6 +55,14 @@ def _pump(stream, prefix: str, sink, tail: deque) -> None:
     stream.close()
 
 
+CAUSE_GRACE_S = 2.0  # how long a rank's exit code waits for another rank seen killed by a signal
+
+
+def _cause(failed: list[int], codes: list[int | None]) -> int | None:
+    """The failed rank to name: one killed by a signal (negative code) first, else the lowest."""
+    return min(failed, key=lambda rank: (codes[rank] > 0, rank)) if failed else None
+
+
 def launch(
     nproc: int,
     config: str,
@@ -159,15 +167,21 @@ def launch(
     failed_rank = None
     independent = backend in ("hivemind", "torchft")  # torch ranks would only wait for a failed one
     reported: set[int] = set()
+    first_failure_at = None
     try:
         while any(p.poll() is None for p in procs):
             polled = [p.poll() for p in procs]
             failed = [rank for rank, code in enumerate(polled) if code not in (None, 0)]
             if failed and failed_rank is None and not forwarded:
-                # Seen in one look, a rank killed by a signal is the cause: the others exit 1 on its reset.
-                failed_rank = min(failed, key=lambda rank: (polled[rank] > 0, rank))
-                if not independent:
-                    end_processes(procs)
+                first_failure_at = first_failure_at or time.monotonic()
+                # A rank killed by a signal is the cause: the others exit 1 on its reset, and may be seen
+                # first (a forked rank's exit status arrives when the preloaded server reaps it), so an
+                # exit code waits CAUSE_GRACE_S for a killed rank before it is named.
+                killed = any(polled[rank] < 0 for rank in failed)
+                if killed or time.monotonic() - first_failure_at >= CAUSE_GRACE_S:
+                    failed_rank = _cause(failed, polled)
+                    if not independent:
+                        end_processes(procs)
             for rank, code in enumerate(polled):
                 worker = rank // R
                 if (
@@ -191,7 +205,7 @@ def launch(
             t.join(timeout=5)
     codes = [p.returncode for p in procs]
     if failed_rank is None:
-        failed_rank = next((r for r, c in enumerate(codes) if c != 0), None)
+        failed_rank = _cause([r for r, c in enumerate(codes) if c != 0], codes)
     if failed_rank is None:
         return 0
     code = codes[failed_rank]
