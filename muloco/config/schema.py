@@ -19,6 +19,7 @@ from muloco.config.runtime import (
 from muloco.config.sections import (
     CompressionConfig,
     DataConfig,
+    DpConfig,
     InnerConfig,
     ModelConfig,
     OuterConfig,
@@ -87,6 +88,7 @@ class Config(Section):
     outer: OuterConfig = Field(default_factory=OuterConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    dp: DpConfig = Field(default_factory=DpConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
     simulation: SimulationConfig = Field(default_factory=SimulationConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -155,6 +157,8 @@ class Config(Section):
                 "sync.fragments/overlap/alpha (Streaming DiLoCo) apply to method: diloco; with method: dp "
                 "keep sync.fragments=1, sync.overlap=0, sync.alpha=0"
             )
+        if self.dp.comm_hook != "none":
+            self._check_comm_hook()
         if self.method == "dp" and self.compression.scheme != "none":
             raise ValueError(
                 "compression applies to pseudogradients (method: diloco); with method: dp set "
@@ -174,6 +178,16 @@ class Config(Section):
         if self.data.source == "text" and self.data.path is None:
             raise ValueError("data.source: text needs data.path (files, a directory or a glob)")
         return self
+
+    def _check_comm_hook(self) -> None:
+        """torch's DDP hooks compress dp's gradients (the world they need is checked at start: run/build.py;
+        hivemind and torchft run no method dp)."""
+        hook = self.dp.comm_hook
+        if self.method != "dp":
+            raise ValueError(
+                f"dp.comm_hook={hook} compresses method: dp's gradients; DiLoCo compresses its "
+                "pseudogradients with compression.scheme: set dp.comm_hook=none (or method: dp)"
+            )
 
     def _check_trim(self) -> None:
         """trimmed_mean drops sync.trim contributions at each end and must keep one: 2 x trim + 1 of them
@@ -275,6 +289,8 @@ class Config(Section):
         ):
             if model.get(key) == default:
                 del model[key]
+        if data["dp"]["comm_hook"] == "none":
+            del data["dp"]  # added after checkpoints existed; its other keys act only with a hook
         if data.get("sharding") == "replicate":
             del data["sharding"]  # added after checkpoints existed
         if not with_layout:  # a sharded checkpoint resumes with any ranks_per_worker (sharded_checkpoint.py)

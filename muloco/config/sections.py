@@ -309,6 +309,26 @@ class OuterConfig(Section):
     offload: Literal["none", "cpu"] = Field("none", description="cpu: keep the fp32 global copy on the CPU.")
 
 
+class DpConfig(Section):
+    """method: dp's gradient communication: torch's DDP communication hooks (docs/wan.md)."""
+
+    comm_hook: Literal["none", "bf16", "powersgd"] = Field(
+        "none",
+        description="none: gradients all-reduced in fp32 after the backward; bf16 | powersgd: torch's DDP "
+        "with its bf16_compress_hook or powerSGD_hook (torch.distributed.algorithms.ddp_comm_hooks), over "
+        "backend.kind=torch with one process per worker.",
+    )
+    powersgd_rank: int = Field(
+        1, ge=1, description="PowerSGD's matrix approximation rank (Vogels et al. 2019 use 1-4)."
+    )
+    powersgd_start_step: int = Field(
+        10,
+        ge=2,
+        description="Steps of plain all-reduce before PowerSGD compresses (torch needs >= 2: DDP settles its "
+        "buckets on the first step).",
+    )
+
+
 class SyncConfig(Section):
     every: int = Field(30, gt=0, description="H: inner steps between two syncs of the same fragment.")
     fragments: int = Field(

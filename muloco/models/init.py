@@ -9,11 +9,12 @@ run is a one-line error, not a silent mix (the path is in the config fingerprint
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
 from muloco.checkpoint.weights import load_weights, read_run_weights, weights_digest
-from muloco.errors import ConfigError, one_line
+from muloco.errors import CheckpointError, ConfigError, one_line
 from muloco.models.hf import load_pretrained, pretrained_dir
 
 
@@ -25,6 +26,15 @@ class InitSource:
 
     def describe(self) -> str:
         return f"{self.field}={self.path} (weights {self.digest})"
+
+    def check_resumed(self, checkpoint_digest: str | None, checkpoint: Path) -> None:
+        """A resumed run must start from the weights its checkpoints were trained from."""
+        if checkpoint_digest != self.digest:
+            raise CheckpointError(
+                f"{self.field}: the weights at {self.path} changed since checkpoint {checkpoint} was written "
+                f"(digest {self.digest}, then {checkpoint_digest}); restore them, or start over "
+                "with checkpoint.resume=never"
+            )
 
 
 def initialize(model: nn.Module, model_cfg) -> InitSource | None:

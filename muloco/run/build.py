@@ -14,10 +14,11 @@ from muloco.comm.sharding import shard_model, worker_mesh
 from muloco.comm.topology import Topology
 from muloco.config import Config
 from muloco.data import ReplicaStream
-from muloco.errors import UserError
+from muloco.errors import ConfigError, UserError
 from muloco.models import ParamRole, param_roles
 from muloco.optim import build_inner_optimizer
 from muloco.run.alignment import AlignmentProbe, UnionStream
+from muloco.run.ddp_hooks import CommHookDDP
 from muloco.run.dp import DataParallel
 from muloco.run.offload import ReplicaOffload
 from muloco.run.replica import Replica
@@ -135,6 +136,18 @@ def dp_replica(cfg: Config, template: nn.Module, index: int, stream, device) -> 
     return Replica(index, model, build_inner_optimizer(model, cfg.inner), stream, device)
 
 
+def check_comm_hook_world(cfg: Config, backend) -> None:
+    """dp.comm_hook runs torch's DDP: one process per worker in a torch.distributed world."""
+    if cfg.dp.comm_hook != "none" and (
+        backend.world_size != cfg.workers or not torch.distributed.is_initialized()
+    ):
+        raise ConfigError(
+            f"dp.comm_hook={cfg.dp.comm_hook} runs torch's DDP with one process per worker, but "
+            f"{backend.world_size} process(es) run workers={cfg.workers}: launch {cfg.workers} processes "
+            f"(muloco launch --nproc {cfg.workers}), or set dp.comm_hook=none"
+        )
+
+
 def data_parallel(
     cfg: Config,
     replica: Replica,
@@ -147,6 +160,7 @@ def data_parallel(
 ) -> DataParallel:
     """method: dp over the run's K workers; shape: (micro-batches, sequences per micro-batch)."""
     micro_batches, seqs_per_micro = shape
+    ddp = CommHookDDP(replica.model, cfg.dp) if cfg.dp.comm_hook != "none" else None
     return DataParallel(
         replica,
         streams,
@@ -159,6 +173,7 @@ def data_parallel(
         progress=progress,
         ledger=ledger,
         wan=wan,
+        ddp=ddp,
     )
 
 

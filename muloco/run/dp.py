@@ -12,6 +12,7 @@ from torch.profiler import record_function
 
 from muloco.comm import Backend, ring_allreduce_bytes
 from muloco.net.wan import allreduce_seconds
+from muloco.run.ddp_hooks import CommHookDDP
 from muloco.run.replica import Replica, forward_backward, set_lr_multiplier
 from muloco.run.state import CommLedger, Progress, WanProjection
 from muloco.sync.engine import global_norm
@@ -33,6 +34,7 @@ class DataParallel:
         progress: Progress,
         ledger: CommLedger,
         wan: WanProjection,
+        ddp: CommHookDDP | None = None,
     ) -> None:
         """streams: the K workers' data streams this process computes; a non-finite step is skipped and
         max_bad_syncs of them in a row stop the run (the same guard as DiLoCo's syncs)."""
@@ -41,6 +43,7 @@ class DataParallel:
         self.guard = BadSyncGuard(progress, workers, max_bad_syncs)
         self.progress, self.ledger, self.wan = progress, ledger, wan
         self.grad_bytes = 4 * sum(p.numel() for p in replica.model.parameters())  # fp32 gradients
+        self.ddp = ddp  # dp.comm_hook: torch's DDP averages (and compresses) during the backward
 
     def step(self, lr_multiplier: float, autocast) -> tuple[float, int]:
         """One step: gradients averaged over the K workers' batches, one optimizer step. Returns this
@@ -52,16 +55,21 @@ class DataParallel:
         with record_function("muloco::forward_backward"):
             for stream in self.streams:
                 batches = (stream.next_batch(self.seqs_per_micro) for _ in range(self.micro_batches))
+                if self.ddp is not None:  # one stream: one worker per process
+                    args = (self.micro_batches, replica.device, autocast)
+                    loss_sum += self.ddp.forward_backward(batches, *args)
+                    continue
                 scale = 1.0 / (K * self.micro_batches)
                 loss_sum += forward_backward(replica.model, batches, scale, replica.device, autocast)
         # One worker computes one of the K batches: its share of this process's forward/backward time.
+        # Under DDP the all-reduces overlap the backward, so their wait is inside this time.
         self.progress.worker_compute_s += (time.perf_counter() - t0) / len(self.streams)
 
-        # Gradient all-reduce across processes: every process calls it each step (a collective).
         grads = [p.grad for p in replica.model.parameters()]
-        t0 = time.perf_counter()
-        self.backend.all_reduce_sum(grads).wait()
-        self.ledger.comm_wait_s += time.perf_counter() - t0
+        if self.ddp is None:  # gradient all-reduce across processes: every process calls it each step
+            t0 = time.perf_counter()
+            self.backend.all_reduce_sum(grads).wait()
+            self.ledger.comm_wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         # Every process holds the same summed gradients, so all skip a non-finite step alike. Clipping
         # measures the norm anyway: one pass over the gradients, not two.
@@ -77,14 +85,18 @@ class DataParallel:
         self.guard.record(0 if finite else K, f"dp step {step} (non-finite gradients: skipped)")
         self.progress.worker_compute_s += time.perf_counter() - t0
         self.progress.steps = step
-        self.ledger.count(ring_allreduce_bytes(self.grad_bytes, K))
+        payloads = self.ddp.take_payloads() if self.ddp is not None else [self.grad_bytes]
+        self.ledger.count(sum(ring_allreduce_bytes(payload, K) for payload in payloads))
         if self.wan.link is not None:
-            self.wan.project(allreduce_seconds(self.wan.link, self.grad_bytes, K), 0)
+            self.wan.project(sum(allreduce_seconds(self.wan.link, payload, K) for payload in payloads), 0)
         return loss_sum, len(self.streams) * self.micro_batches
 
     def state_dict(self) -> dict:
-        return {"streams": [s.state_dict() for s in self.streams]}
+        hook = {"comm_hook": self.ddp.state_dict()} if self.ddp is not None else {}
+        return {"streams": [s.state_dict() for s in self.streams], **hook}
 
     def load_state_dict(self, state: dict) -> None:
         for stream, stream_state in zip(self.streams, state["streams"], strict=True):
             stream.load_state_dict(stream_state)
+        if self.ddp is not None:
+            self.ddp.load_state_dict(state["comm_hook"])

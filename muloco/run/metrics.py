@@ -176,3 +176,9 @@ def start_wandb(cfg, run_dir: Path) -> Any:
         config=cfg.to_dict(),
         reinit="finish_previous",
     )
+
+
+def finish_wandb(wandb_run: Any, summary: dict[str, Any]) -> None:
+    """The summary's scalars on the wandb run, then the run closed."""
+    wandb_run.summary.update({k: v for k, v in summary.items() if isinstance(v, int | float | str)})
+    wandb_run.finish()

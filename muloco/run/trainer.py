@@ -28,7 +28,6 @@ from muloco.comm.sharding import layout_free_fingerprint
 from muloco.comm.topology import build_topology
 from muloco.config import Config
 from muloco.data import ReplicaStream, load_data, val_batches
-from muloco.errors import CheckpointError
 from muloco.models import build_model, describe_model
 from muloco.models.init import initialize
 from muloco.net.wan import Link
@@ -36,6 +35,7 @@ from muloco.run.batched import use_batched
 from muloco.run.build import (
     alignment_probe,
     autocast_factory,
+    check_comm_hook_world,
     data_parallel,
     diloco_replicas,
     dp_replica,
@@ -46,7 +46,7 @@ from muloco.run.dp import DataParallel
 from muloco.run.evaluate import evaluate_global
 from muloco.run.inner_steps import InnerSteps
 from muloco.run.lr_schedule import lr_multiplier
-from muloco.run.metrics import MetricsLogger, log_run_start, start_wandb, timed_record
+from muloco.run.metrics import MetricsLogger, finish_wandb, log_run_start, start_wandb, timed_record
 from muloco.run.offload import ReplicaOffload, offload_applies
 from muloco.run.resume import check_same_config, load_components, resume_run
 from muloco.run.run_dir import (
@@ -89,6 +89,7 @@ class Trainer:
         set_threads(cfg.train.threads, self.device)
         self.run_dir = run_dir_of(cfg)  # created once the config and the data are known to be good
         check_same_config(self.backend, cfg.fingerprint())
+        check_comm_hook_world(cfg, self.backend)
         rank = self.backend.rank
         self.checkpoint_dir = self.run_dir / "checkpoints" / ("" if rank == 0 else f"rank{rank}")
 
@@ -183,13 +184,8 @@ class Trainer:
         if found is None:
             return
         path, state = found
-        source = self.init_source
-        if source is not None and state.get("init_digest") != source.digest:
-            raise CheckpointError(
-                f"{source.field}: the weights at {source.path} changed since checkpoint {path} was written "
-                f"(digest {source.digest}, then {state.get('init_digest')}); restore them, or start over "
-                "with checkpoint.resume=never"
-            )
+        if self.init_source is not None:
+            self.init_source.check_resumed(state.get("init_digest"), path)
         load_components(self.components, state, path)
         self.resumed_from, progress = path, self.progress
         log.info("resumed checkpoint=%s step=%d outer_steps=%d", path, progress.steps, progress.outer_steps)
@@ -199,14 +195,8 @@ class Trainer:
         cfg, progress = self.cfg, self.progress
         wandb_run = start_wandb(cfg, self.run_dir) if cfg.logging.wandb and self.is_main else None
         resume_step = progress.steps if self.resumed_from else None
-        self.metrics = MetricsLogger(
-            self.run_dir / "metrics.jsonl",
-            self.total_steps,
-            cfg.logging.progress,
-            wandb_run,
-            resume_step,
-            self.is_main,
-        )
+        where = (self.run_dir / "metrics.jsonl", self.total_steps, cfg.logging.progress, wandb_run)
+        self.metrics = MetricsLogger(*where, resume_step, self.is_main)
         self.started, self.elapsed_at_start, self.train_time = time.perf_counter(), progress.elapsed_s, 0.0
         status = "failed"
         self.stop.install()
@@ -250,10 +240,7 @@ class Trainer:
             self.reducer.close()
             summary = self.write_summary(status)
             if wandb_run is not None:
-                wandb_run.summary.update(
-                    {k: v for k, v in summary.items() if isinstance(v, int | float | str)}
-                )
-                wandb_run.finish()
+                finish_wandb(wandb_run, summary)
         return summary
 
     def run_round(self) -> None:
@@ -347,7 +334,7 @@ class Trainer:
         fields = {
             "run": cfg.run.name,
             "dir": self.run_dir,
-            "method": cfg.method,
+            "method": cfg.method if cfg.dp.comm_hook == "none" else f"dp+{cfg.dp.comm_hook}",
             "inner": cfg.inner.optimizer,
             "workers": cfg.workers,
             "local_replicas": len(self.local_indices),

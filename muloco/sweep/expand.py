@@ -11,8 +11,8 @@ from muloco.config.naming import name_part, short_labels
 from muloco.sweep.spec import _canonical
 
 # A DP run ignores these sections, so its baseline drops them (and sets compression.scheme=none, which
-# config validation requires of method: dp).
-DP_IGNORED_PREFIXES = ("sync.", "outer.", "compression.")
+# config validation requires of method: dp); the baseline sends uncompressed gradients (no dp.comm_hook).
+DP_IGNORED_PREFIXES = ("sync.", "outer.", "compression.", "dp.")
 
 
 def expand_grid(
@@ -48,7 +48,7 @@ def _matches(assignment: dict[str, Any], rule: dict[str, Any]) -> bool:
 
 def dp_baseline_assignment(assignment: dict[str, Any]) -> dict[str, Any]:
     """The grid values of a run's DP baseline: the same values (inner optimizer, workers, budget, ...)
-    without the keys a DP run ignores (sync, outer, compression), with method=dp."""
+    without the keys a DP run ignores (sync, outer, compression) and the dp.comm_hook ones, with method=dp."""
     kept = {k: v for k, v in assignment.items() if not k.startswith(DP_IGNORED_PREFIXES) and k != "method"}
     return {"method": "dp", **kept}
 

@@ -46,6 +46,8 @@ def start_process(spec: SweepSpec, run: PlannedRun, log_path: Path) -> Preloaded
         log_file.write(f"=== muloco sweep {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(run.overrides)}\n")
         log_file.flush()
         args = ["train", str(spec.base), *run.overrides]
+        if run.config.dp.comm_hook != "none":  # torch's DDP: one process per worker
+            args = ["launch", "--nproc", str(run.config.workers), str(spec.base), *run.overrides]
         return start_muloco(args, env=env, stdout=log_file, stderr=subprocess.STDOUT, new_session=True)
 
 

@@ -36,7 +36,7 @@ from muloco.tools.tuning import TuneSpec
 # Config keys that never tell runs apart in a report (names, places, logging, threads).
 IGNORED_PREFIXES = ("run.name", "run.output_dir", "logging.", "checkpoint.", "train.threads")
 # Keys a DP run ignores, or that may differ between a run and its DP baseline.
-DP_FREE_PREFIXES = ("method", "workers", *tuning.DP_IGNORED_PREFIXES)
+DP_FREE_PREFIXES = ("method", "workers", *tuning.DP_BASELINE_FREE_PREFIXES)
 # The inner lrs: a run without a DP run at its own lr is compared with the best DP run over these.
 LR_KEYS = ("inner.lr", "inner.adamw.lr")
 
@@ -68,8 +68,15 @@ class RunRecord:
         return str(self.summary.get("inner_optimizer") or self.config.get("inner.optimizer") or "?")
 
     @property
-    def is_dp(self) -> bool:
+    def is_dp_method(self) -> bool:
+        """method: dp, with or without a DDP communication hook."""
         return (self.summary.get("method") or self.config.get("method")) == "dp"
+
+    @property
+    def is_dp(self) -> bool:
+        """The DP baseline: method dp with uncompressed gradients. A dp.comm_hook run (bf16, PowerSGD) is
+        a method compared against it, like DiLoCo."""
+        return self.is_dp_method and self.config.get("dp.comm_hook", "none") == "none"
 
     @property
     def loss(self) -> float | None:

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 SEED_KEY = "run.seed"
 # Keys a DP run ignores: a DiLoCo cell's DP baseline is matched on every other setting.
 DP_IGNORED_PREFIXES = ("sync.", "outer.", "compression.", "diagnostics.")
+# What a method may differ in from its DP baseline beside them: the baseline has no communication hook, and
+# may run on another backend (where it ran, not its maths: e.g. DDP + PowerSGD over torch, DP simulated).
+DP_BASELINE_FREE_PREFIXES = (*DP_IGNORED_PREFIXES, "dp.", "backend.")
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ def setting(run: RunRecord, key: str) -> Any:
     """The run's value of `key` as it acts on the run: None where the run ignores the key (a DP run the
     sync, outer and compression settings; the built-in adamw inner.lr and Muon's fields: it reads
     inner.adamw.*), so runs that differ only there are the same candidate."""
-    if run.is_dp and key.startswith(DP_IGNORED_PREFIXES):
+    if run.is_dp_method and key.startswith(DP_IGNORED_PREFIXES):
         return None
     if (
         run.config.get("inner.optimizer") == "adamw"
@@ -163,7 +166,7 @@ def tune(runs: list[RunRecord], varied: list[str], spec: TuneSpec) -> list[Tuned
         method = "dp" if run.is_dp else "diloco"
         own = {k: setting(run, k) for k in keys}
         if method == "dp":
-            own = {k: v for k, v in own.items() if not k.startswith(DP_IGNORED_PREFIXES)}
+            own = {k: v for k, v in own.items() if not k.startswith(DP_BASELINE_FREE_PREFIXES)}
         key = (method, _canonical(own))
         cells.setdefault(key, []).append(run)
         settings[key] = own
@@ -171,7 +174,7 @@ def tune(runs: list[RunRecord], varied: list[str], spec: TuneSpec) -> list[Tuned
 
 
 def _dp_cell_for(cell: TunedCell, dp_cells: list[TunedCell]) -> TunedCell | None:
-    wanted = {k: v for k, v in cell.settings.items() if not k.startswith(DP_IGNORED_PREFIXES)}
+    wanted = {k: v for k, v in cell.settings.items() if not k.startswith(DP_BASELINE_FREE_PREFIXES)}
     for dp in dp_cells:
         if _canonical(dp.settings) == _canonical(wanted):
             return dp

@@ -26,6 +26,9 @@ def test_zip_advances_keys_together_and_exclude_drops_matching_runs():
 def test_dp_baseline_keeps_optimizer_and_workers_and_drops_what_dp_ignores():
     run = {"inner.optimizer": "muon", "workers": 4, "sync.every": 30, "compression.bits": 2, "outer.lr": 0.5}
     assert dp_baseline_assignment(run) == {"method": "dp", "inner.optimizer": "muon", "workers": 4}
+    # A dp.comm_hook run's baseline is plain DP: uncompressed gradients.
+    hooked = {"method": "dp", "dp.comm_hook": "powersgd", "dp.powersgd_rank": 4, "workers": 4}
+    assert dp_baseline_assignment(hooked) == {"method": "dp", "workers": 4}
 
 
 # --- names --------------------------------------------------------------------------------------------

@@ -25,3 +25,20 @@ def test_resume_skips_completed_runs_and_reruns_failed_ones(write_sweep, FakePro
     launched.clear()
     result = run_sweep(spec, runs, jobs=1, launch=launch, poll_s=0)
     assert launched == ["w2"] and result.skipped == ["w1", "w4"]
+
+
+def test_a_dp_comm_hook_run_starts_as_one_process_per_worker(write_sweep, tmp_path, monkeypatch):
+    """torch's DDP hooks need a process per worker: the sweep starts such a run with `muloco launch`."""
+    from muloco.sweep import runner
+
+    body = {"fixed": {"method": "dp", "workers": 2}, "grid": {"dp.comm_hook": ["none", "powersgd"]}}
+    spec = load_sweep(write_sweep(body))
+    started = []
+    monkeypatch.setattr(runner, "start_muloco", lambda args, **kwargs: started.append(args[:4]))
+    for run in plan_sweep(spec, threads=1):
+        run.run_dir.mkdir(parents=True)
+        runner.start_process(spec, run, tmp_path / f"{run.name}.log")
+    assert started == [
+        ["train", str(spec.base), *started[0][2:4]],
+        ["launch", "--nproc", "2", str(spec.base)],
+    ]

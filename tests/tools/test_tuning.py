@@ -166,3 +166,29 @@ def test_the_builtin_adamw_is_tuned_on_its_own_lr_only(tmp_path):
     assert cell["tried"] == {"inner.lr": [None], "inner.adamw.lr": [0.003, 0.006]}
     assert cell["best"]["inner.adamw.lr"] == 0.003 and cell["chosen_on_seeds"] == [0]
     assert cell["runs"] == {"0": "a0", "1": "a1"}
+
+
+def test_a_dp_comm_hook_run_is_a_method_tuned_and_compared_against_plain_dp(tmp_path):
+    """DDP + PowerSGD is one more method: its own lr, against the uncompressed DP baseline (its sync,
+    outer and compression keys ignored as any dp run's), never a baseline itself."""
+    root = tmp_path / "sweep"
+    for name, hook, lr, outer_lr, loss in [
+        ("dp_a", "none", 0.01, 0.7, 3.00),
+        ("dp_b", "none", 0.02, 0.7, 2.90),  # the DP baseline
+        ("psgd_a", "powersgd", 0.01, 0.7, 3.05),
+        ("psgd_a_outer", "powersgd", 0.01, 0.5, 3.06),  # outer.lr acts on no dp run: the same candidate
+        ("psgd_b", "powersgd", 0.02, 0.7, 3.10),
+    ]:
+        overrides = [
+            "method=dp",
+            "workers=2",
+            f"dp.comm_hook={hook}",
+            f"inner.lr={lr}",
+            f"outer.lr={outer_lr}",
+        ]
+        fake_run(root, name, overrides, loss)
+    build_report(root, TuneSpec(over=("inner.lr", "outer.lr"), per=("dp.comm_hook",)))
+    [row] = json.loads((root / "tuned.json").read_text())["rows"]
+    assert row["cell"]["settings"] == {"dp.comm_hook": "powersgd"}
+    assert row["cell"]["best"]["inner.lr"] == 0.01 and row["dp"]["best"]["inner.lr"] == 0.02
+    assert row["pct_over_dp"] == pytest.approx(gap(3.05, 2.90))
