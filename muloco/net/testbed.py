@@ -10,8 +10,10 @@ of `rate_mbit`, as a machine on a WAN uplink has. Addresses come from 198.18.0.0
 benchmarking), so nothing here can reach, or be confused with, a real network; no interface is created in
 the machine's own namespace.
 
-Latency is not emulated: the kernel's `netem` qdisc is not available here and tbf only queues. Links have the
-veth's sub-millisecond round trip; `muloco.net.wan.Link.latency_ms` adds latency to projections analytically.
+Latency: the kernel's `netem` qdisc is not available here and tbf only queues. With `delay_ms` > 0 the hub
+has no bridge: a user-space delay line (muloco/net/delay_line.py) forwards every frame between its ports
+after `delay_ms`, so hosts see that one-way delay and twice it as their round trip, the rate still set by
+tbf. Without it links have the veth's sub-millisecond round trip.
 
 A `Testbed` is a context manager: everything it made (namespaces, links, the processes it started) is torn
 down on leaving, whether the body returned, raised or was interrupted (Ctrl+C, SIGTERM). Namespaces left
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from muloco.errors import UserError
+from muloco.net.delay_line import READY
 from muloco.net.launch import end_processes, free_port, sigterm_when_parent_dies, wait_for_maddrs
 
 PREFIX = "mlc-"  # every namespace a testbed makes: mlc-<pid>-<serial>-<host|hub>
@@ -80,6 +83,14 @@ def tbf_args(rate_mbit: float) -> list[str]:
     return ["rate", f"{rate_bits:.0f}bit", "burst", str(burst), "latency", "200ms"]
 
 
+def tcp_buffer_sysctls(rate_mbit: float, delay_ms: float) -> list[str]:
+    """TCP's largest send and receive buffers: twice the bandwidth-delay product (round trip 2 x delay),
+    at least 4 MiB. The defaults cap the send buffer at 4 MiB, which at a 50 ms round trip holds a window of
+    ~650 Mbit/s: measured 435 Mbit/s at 1 Gbit/s before, 800 after (docs/wan.md)."""
+    largest = max(4 << 20, int(2 * rate_mbit * 1e6 / 8 * 2 * delay_ms / 1000))
+    return [f"net.ipv4.tcp_wmem=4096 16384 {largest}", f"net.ipv4.tcp_rmem=4096 131072 {largest}"]
+
+
 def _run(*cmd: str) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
     if done.returncode != 0:
@@ -111,17 +122,20 @@ def remove_stale_namespaces() -> list[str]:
 
 
 class Testbed:
-    """`hosts` namespaces on one bridge, each host's link limited to `rate_mbit` both ways."""
+    """`hosts` namespaces on one hub, each host's link limited to `rate_mbit` both ways and, with
+    `delay_ms`, that one-way delay between any two hosts."""
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, hosts: int, rate_mbit: float) -> None:
+    def __init__(self, hosts: int, rate_mbit: float, delay_ms: float = 0.0) -> None:
         if hosts < 1 or hosts > 250:
             raise UserError(f"testbed hosts must be 1..250, got {hosts}")
         if rate_mbit <= 0:
             raise UserError(f"testbed rate_mbit must be > 0, got {rate_mbit}")
+        if delay_ms < 0:
+            raise UserError(f"testbed delay_ms must be >= 0, got {delay_ms}")
         self.name = f"{PREFIX}{os.getpid()}-{next(_serials)}"
-        self.rate_mbit = rate_mbit
+        self.rate_mbit, self.delay_ms = rate_mbit, delay_ms
         self.hub = f"{self.name}-hub"
         addresses = list(SUBNET.hosts())
         self.hosts = [Host(i, f"{self.name}-h{i}", str(addresses[i])) for i in range(hosts)]
@@ -160,8 +174,9 @@ class Testbed:
         tbf = tbf_args(self.rate_mbit)
         _run("ip", "netns", "add", self.hub)
         self._made.append(self.hub)
-        _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+        if not self.delay_ms:
+            _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+            _run("ip", "-n", self.hub, "link", "set", "br0", "up")
         for host in self.hosts:
             _run("ip", "netns", "add", host.netns)
             self._made.append(host.netns)
@@ -183,13 +198,38 @@ class Testbed:
                 "netns",
                 host.netns,
             )
-            _run("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
+            bridged = () if self.delay_ms else ("master", "br0")  # with a delay, the delay line forwards
+            _run("ip", "-n", self.hub, "link", "set", port, *bridged, "up")
             _run("ip", "-n", host.netns, "addr", "add", address, "dev", eth)
             _run("ip", "-n", host.netns, "link", "set", eth, "up")
             _run("ip", "-n", host.netns, "link", "set", "lo", "up")
             # Upload: the host's egress; download: the hub's egress towards the host.
             _run("ip", "netns", "exec", host.netns, "tc", "qdisc", "add", "dev", eth, "root", "tbf", *tbf)
             _run("ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", port, "root", "tbf", *tbf)
+        if self.delay_ms:
+            for host in self.hosts:  # TCP buffers that hold the link's bandwidth-delay product, as tuned
+                buffers = tcp_buffer_sysctls(self.rate_mbit, self.delay_ms)  # WAN hosts have them
+                _run("ip", "netns", "exec", host.netns, "sysctl", "-q", "-w", *buffers)
+            self._start_delay_line()
+
+    def _start_delay_line(self) -> None:
+        """The hub's switch in user space (delay_line.py), up before any host sends."""
+        ports = [f"p{host.index}" for host in self.hosts]
+        cmd = [sys.executable, "-m", "muloco.net.delay_line", "--delay-ms", str(self.delay_ms), *ports]
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.hub, *cmd],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=sigterm_when_parent_dies,
+        )
+        self.processes.append(proc)
+        ready = [None]
+        reader = threading.Thread(target=lambda: ready.__setitem__(0, proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(CMD_TIMEOUT_S)
+        if not (ready[0] or "").startswith(READY):
+            raise RuntimeError(f"the hub's delay line did not start (exit code {proc.poll()})")
 
     def teardown(self) -> None:
         """End every process this testbed started, delete its namespaces (which deletes their links). Safe

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from muloco.errors import UserError
+from muloco.net.probe import goodput_mbit, median_round_trip_ms
 from muloco.net.testbed import (
     PREFIX,
     Testbed,
@@ -117,6 +118,37 @@ def test_the_rate_limit_holds_both_ways():
             assert int(n) == payload
             # 1.5 MB at 8 Mbit/s = 1.5 s; the bucket's 64 KB burst and the socket buffers shave a little
             assert 1.2 < float(seconds) < 4.0
+
+
+@needs_netns
+def test_the_delay_line_adds_its_delay_both_ways_and_carries_the_rate():
+    """25 ms one way through the hub's user-space delay line: a 50 ms round trip (the veth's own is
+    ~0.1 ms), and a bulk transfer at the link's rate with the delay in TCP's window."""
+    with Testbed(3, 50, delay_ms=25) as testbed:
+        made = set(testbed.namespaces())
+        assert "br0" not in testbed_links(testbed)  # the delay line forwards, not a bridge
+        for client, server in ((0, 1), (2, 0)):  # any pair: one hub crossing each way
+            round_trip = median_round_trip_ms(testbed, client, server)
+            # Measured 51.0 ms on a quiet machine, 51.4-52.7 ms beside a full test suite; the upper bound
+            # leaves room for a loaded one.
+            assert 50.0 <= round_trip < 70.0, round_trip
+        # 6 MB at 50 Mbit/s: 1.0 s at TCP's 95.7% of the line; slow start over 50 ms round trips costs
+        # some (measured 39.9 Mbit/s beside a full test suite).
+        assert 25.0 < goodput_mbit(testbed, 1, 2, 6_000_000) < 50.0
+        wmem = testbed.run(0, ["sysctl", "-n", "net.ipv4.tcp_wmem"]).split()
+        assert int(wmem[-1]) == 4 << 20  # twice 50 Mbit/s x 50 ms is under the 4 MiB floor
+    assert not made & namespaces()
+
+
+def testbed_links(testbed: Testbed) -> str:
+    return subprocess.run(
+        ["ip", "-n", testbed.hub, "link", "show"], capture_output=True, text=True, timeout=20
+    ).stdout
+
+
+def test_a_negative_delay_is_a_user_error():
+    with pytest.raises(UserError, match="delay_ms must be >= 0"):
+        Testbed(2, 10, delay_ms=-1)
 
 
 @needs_netns

@@ -133,7 +133,8 @@ def hook_overrides(output_dir: Path, hook: str) -> list[str]:
     return [*TINY, *args, f"dp.comm_hook={hook}", "dp.powersgd_start_step=4", f"run.output_dir={output_dir}"]
 
 
-# Time (~12 s): three 16-step runs over 2 processes, then two of them again from their step-8 checkpoints.
+# Time (~12 s alone, ~22 s in the parallel suite): three 16-step runs over 2 processes, then two of them
+# again from their step-8 checkpoints.
 @pytest.fixture(scope="module")
 def hook_runs(tmp_path_factory) -> Path:
     """Every hook in one go (full/), then bf16 and powersgd cut to their first 2 checkpoints (cut/) and

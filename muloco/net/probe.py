@@ -1,0 +1,84 @@
+"""What a testbed's links carry, measured between two of its hosts: the round trip of a 1-byte TCP message
+and the goodput of a bulk TCP transfer (tests/net/test_testbed.py, experiments/wan/delay_line_check.py).
+Both run as small Python programs inside the hosts' namespaces."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+from muloco.net.testbed import Testbed
+
+PORT = 5003
+
+_SERVER = textwrap.dedent("""
+    import socket, sys, time
+    mode, size = sys.argv[1], int(sys.argv[2])
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", {port})); s.listen(1); s.settimeout(60)
+    print("listening", flush=True)
+    c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if mode == "echo":
+        while (b := c.recv(64)):
+            c.sendall(b)
+    else:
+        n, first = 0, None
+        while n < size and (b := c.recv(1 << 20)):
+            first = first or time.perf_counter()
+            n += len(b)
+        print(n, time.perf_counter() - first, flush=True)
+""").format(port=PORT)
+
+_CLIENT = textwrap.dedent("""
+    import socket, sys, time
+    address, mode, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    c = socket.create_connection((address, {port}), timeout=30)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if mode == "echo":
+        out = []
+        for _ in range(size):
+            t0 = time.perf_counter(); c.sendall(b"x"); c.recv(64); out.append(time.perf_counter() - t0)
+        print(" ".join(repr(x) for x in out))
+    else:
+        c.sendall(b"x" * size); c.shutdown(socket.SHUT_WR); c.recv(1)
+""").format(port=PORT)
+
+
+def _serve(testbed: Testbed, host: int, mode: str, size: int) -> subprocess.Popen:
+    server = testbed.popen(
+        host, [sys.executable, "-c", _SERVER, mode, str(size)], stdout=subprocess.PIPE, text=True
+    )
+    if server.stdout.readline().strip() != "listening":
+        raise RuntimeError(f"probe server on host {host} did not start (exit code {server.poll()})")
+    return server
+
+
+def round_trips_ms(testbed: Testbed, client: int, server: int, count: int = 21) -> list[float]:
+    """`count` round trips of a 1-byte message on one TCP connection (Nagle off), in ms."""
+    proc = _serve(testbed, server, "echo", 0)
+    address = testbed.hosts[server].address
+    out = testbed.run(client, [sys.executable, "-c", _CLIENT, address, "echo", str(count)], timeout=60)
+    proc.wait(timeout=30)
+    return [float(x) * 1000.0 for x in out.split()]
+
+
+def median_round_trip_ms(testbed: Testbed, client: int, server: int, count: int = 21) -> float:
+    """The median round trip, the first (the connection's warm-up) left out."""
+    return statistics.median(round_trips_ms(testbed, client, server, count)[1:])
+
+
+def goodput_mbit(testbed: Testbed, sender: int, receiver: int, size_bytes: int) -> float:
+    """Payload Mbit/s of one TCP transfer of `size_bytes`, timed at the receiver from its first byte to its
+    last (so the connection's set-up is left out; TCP's slow start is in)."""
+    proc = _serve(testbed, receiver, "bulk", size_bytes)
+    address = testbed.hosts[receiver].address
+    started = time.perf_counter()
+    testbed.run(sender, [sys.executable, "-c", _CLIENT, address, "bulk", str(size_bytes)], timeout=300)
+    out, _ = proc.communicate(timeout=max(30.0, 2 * (time.perf_counter() - started)))
+    received, seconds = out.split()
+    if int(received) != size_bytes:
+        raise RuntimeError(f"probe: {received} of {size_bytes} bytes arrived")
+    return size_bytes * 8 / float(seconds) / 1e6
