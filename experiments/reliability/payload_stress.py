@@ -2,11 +2,12 @@
 (and what those bytes are), and whether every peer ends with the same model (issue 37).
 
     python experiments/reliability/payload_stress.py [--peers 4] [--syncs 150] [--burners 2]
-        [--testbed-mbit 100] [--repeats 1]
+        [--testbed-mbit 100 [--testbed-delay-ms 50]] [--repeats 1]
 
 N hivemind peers of a tiny model sync after every inner step (one sync = N x (N - 1) downloads), on
 loopback (`muloco launch`) or, with --testbed-mbit, one peer per host of the namespace testbed (links of
-that rate; needs root). Burner processes keep the CPU busy throughout. MULOCO_PAYLOAD_DUMP is on
+that rate and, with --testbed-delay-ms, that one-way delay through the hub's delay line; needs root).
+Burner processes keep the CPU busy throughout. MULOCO_PAYLOAD_DUMP is on
 (muloco/comm/hivemind/mismatch.py): every served payload and every mismatched download is kept and
 classified (truncated, reordered, another payload, bytes flipped, ...). Downloads cut short that the
 transfer layer detects by the messages' count and sizes (and asks for again) are counted apart ("cut
@@ -69,7 +70,7 @@ def run_testbed(args, out: Path, env: dict[str, str]) -> tuple[list[int | None],
     from muloco.net.testbed import Testbed, train_on_testbed
 
     os.environ.update(env)  # the testbed's processes inherit this process's environment
-    with Testbed(args.peers, args.testbed_mbit) as testbed:
+    with Testbed(args.peers, args.testbed_mbit, delay_ms=args.testbed_delay_ms) as testbed:
         run = train_on_testbed(
             testbed,
             CONFIG,
@@ -126,6 +127,7 @@ def main() -> int:
     parser.add_argument("--syncs", type=int, default=150)
     parser.add_argument("--burners", type=int, default=2)
     parser.add_argument("--testbed-mbit", type=float, default=None, help="one peer per testbed host")
+    parser.add_argument("--testbed-delay-ms", type=float, default=0.0, help="one-way delay between hosts")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout-s", type=float, default=1200.0)
     args = parser.parse_args()
@@ -134,6 +136,8 @@ def main() -> int:
         rows = [one_run(args, i) for i in range(args.repeats)]
 
     mode = f"testbed {args.testbed_mbit:g} Mbit/s" if args.testbed_mbit else "loopback"
+    if args.testbed_mbit and args.testbed_delay_ms:
+        mode += f", {args.testbed_delay_ms:g} ms one way"
     print(f"{args.peers} peers, {args.syncs} syncs, {args.burners} burners, {mode}")
     print(
         f"{'run':>3} {'ok':>4} {'s':>7} {'downloads':>9} {'cut short':>9} {'mismatched':>10} {'kinds':<30} "
@@ -151,6 +155,8 @@ def main() -> int:
     out = Path(__file__).with_name("results")
     out.mkdir(exist_ok=True)
     name = "testbed" if args.testbed_mbit else "loopback"
+    if args.testbed_mbit and args.testbed_delay_ms:
+        name += f"-delay{args.testbed_delay_ms:g}ms"
     result = {"peers": args.peers, "syncs": args.syncs, "burners": args.burners, "mode": mode, "runs": rows}
     (out / f"payload_stress-{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     good = all(r["final_digests"] == 1 and r["peers_completed"] == args.peers for r in rows)

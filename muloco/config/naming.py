@@ -53,4 +53,8 @@ def name_part(key: str, value: Any, assignment: dict[str, Any], label: str) -> s
         return "" if scheme not in (None, "linear", "statistical") else f"{format_value(value)}bit"
     if key == "compression.error_feedback":
         return "" if scheme == "none" else ("ef" if value else "noef")
+    if key == "dp.comm_hook":
+        return "ddp" if value == "none" else f"ddp-{format_value(value)}"
+    if key == "dp.powersgd_rank":  # left out of runs without PowerSGD
+        return f"r{format_value(value)}" if assignment.get("dp.comm_hook", "powersgd") == "powersgd" else ""
     return f"{format_value(label)}-{format_value(value)}"

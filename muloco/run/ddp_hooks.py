@@ -35,15 +35,14 @@ class CommHookDDP:
     """One process's model under DDP with `cfg.comm_hook`; gradients come out averaged over the ranks."""
 
     def __init__(self, model: nn.Module, cfg: DpConfig) -> None:
-        self.hook_name = cfg.comm_hook
-        with (
-            warnings.catch_warnings()
-        ):  # broadcast_buffers=False is what this model needs (no buffers synced)
+        # broadcast_buffers=False: no broadcast each forward (the built-in GPT has no buffers; a model's own,
+        # e.g. rotary tables, do not train). torch 2.13 deprecates the name for one torch 2.9 lacks.
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             self.module = DistributedDataParallel(model, broadcast_buffers=False)
         self.payloads: list[int] = []  # bytes of each all-reduce issued since take_payloads()
         self.powersgd: powerSGD_hook.PowerSGDState | None = None
-        if self.hook_name == "bf16":
+        if cfg.comm_hook == "bf16":
             self.module.register_comm_hook(None, self._bf16)
         else:
             self.powersgd = powerSGD_hook.PowerSGDState(

@@ -51,3 +51,12 @@ def test_fp32_runs_leave_out_bits_and_error_feedback():
         {"compression.scheme": "statistical", "compression.bits": 2, "compression.error_feedback": True},
     ]
     assert run_names(runs) == ["fp32", "statistical_2bit_ef"]
+
+
+def test_dp_comm_hook_runs_are_named_for_their_hook_and_rank():
+    runs = [
+        {"dp.comm_hook": "none", "dp.powersgd_rank": 1},
+        {"dp.comm_hook": "bf16", "dp.powersgd_rank": 1},
+        {"dp.comm_hook": "powersgd", "dp.powersgd_rank": 4},
+    ]
+    assert run_names(runs) == ["ddp", "ddp-bf16", "ddp-powersgd_r4"]  # the rank only where PowerSGD runs
