@@ -319,7 +319,9 @@ class DpConfig(Section):
         "backend.kind=torch with one process per worker.",
     )
     powersgd_rank: int = Field(
-        1, ge=1, description="PowerSGD's matrix approximation rank (Vogels et al. 2019 use 1-4)."
+        4,
+        ge=1,
+        description="PowerSGD's matrix approximation rank (Vogels et al. 2019 use 1-4; torch's default: 1).",
     )
     powersgd_start_step: int = Field(
         10,

@@ -130,7 +130,8 @@ HOOKS = ("none", "bf16", "powersgd")
 def hook_overrides(output_dir: Path, hook: str) -> list[str]:
     steps = ["train.total_tokens=16384", "checkpoint.every=4", "checkpoint.keep=10"]  # 16 steps of 1,024
     args = ["method=dp", "workers=2", "train.batch_tokens=1024", "train.micro_batch_tokens=256", *steps]
-    return [*TINY, *args, f"dp.comm_hook={hook}", "dp.powersgd_start_step=4", f"run.output_dir={output_dir}"]
+    powersgd = ["dp.powersgd_rank=1", "dp.powersgd_start_step=4"]
+    return [*TINY, *args, f"dp.comm_hook={hook}", *powersgd, f"run.output_dir={output_dir}"]
 
 
 # Time (~12 s alone, ~22 s in the parallel suite): three 16-step runs over 2 processes, then two of them
