@@ -289,6 +289,8 @@ class Config(Section):
         ):
             if model.get(key) == default:
                 del model[key]
+        if data["train"]["lr_schedule"] != "wsd":
+            del data["train"]["decay_fraction"]  # added after checkpoints existed; acts only with wsd
         if data["dp"]["comm_hook"] == "none":
             del data["dp"]  # added after checkpoints existed; its other keys act only with a hook
         if data.get("sharding") == "replicate":

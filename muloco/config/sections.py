@@ -160,10 +160,20 @@ class TrainConfig(Section):
         description="Tokens per forward/backward pass (gradient accumulation); default: a worker's batch.",
     )
     warmup_steps: int = Field(20, ge=0, description="Linear lr warmup, in inner steps.")
-    lr_schedule: Literal["cosine", "constant"] = Field(
-        "cosine", description="Inner lr schedule after warmup (multiplies every group's lr)."
+    lr_schedule: Literal["cosine", "constant", "wsd"] = Field(
+        "cosine",
+        description="Inner lr schedule after warmup (multiplies every group's lr). wsd: warmup-stable-decay, "
+        "constant then a linear decay over the last train.decay_fraction of the steps.",
     )
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr as a fraction of the peak.")
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="cosine, wsd: final lr as a fraction of the peak."
+    )
+    decay_fraction: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="wsd: the share of the steps after warmup that decay (Hägele et al. 2024: 0.2).",
+    )
     grad_clip: float = Field(1.0, ge=0, description="Clip the gradient norm per replica; 0 disables.")
     eval_every: int = Field(
         60,

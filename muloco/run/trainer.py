@@ -291,12 +291,8 @@ class Trainer:
 
     def _log_sync(self, record: SyncRecord) -> None:
         sums = record.sums
-        train_loss, pseudograd_norm = means_over_processes(
-            self.backend, sums["loss_sum_count"], sums["norm_sum_count"]
-        )
-        self._log(
-            "sync", record.step, train_loss=train_loss, pseudograd_norm=pseudograd_norm, **record.fields
-        )
+        loss, norm = means_over_processes(self.backend, sums["loss_sum_count"], sums["norm_sum_count"])
+        self._log("sync", record.step, train_loss=loss, pseudograd_norm=norm, **record.fields)
 
     def _dp_step(self) -> None:
         progress, t = self.progress, self.cfg.train
@@ -308,7 +304,8 @@ class Trainer:
     # -- helpers of the loop --------------------------------------------------------------------------
     def _lr_multiplier(self, step: int) -> float:
         t = self.cfg.train
-        return lr_multiplier(step, self.total_steps, t.warmup_steps, t.lr_schedule, t.min_lr_ratio)
+        args = (t.warmup_steps, t.lr_schedule, t.min_lr_ratio, t.decay_fraction)
+        return lr_multiplier(step, self.total_steps, *args)
 
     def evaluate(self) -> float:
         """Val loss of the global parameters (evaluate.py)."""

@@ -126,7 +126,7 @@ def test_the_delay_line_adds_its_delay_both_ways_and_carries_the_rate():
     ~0.1 ms), and a bulk transfer at the link's rate with the delay in TCP's window."""
     with Testbed(3, 50, delay_ms=25) as testbed:
         made = set(testbed.namespaces())
-        assert "br0" not in testbed_links(testbed)  # the delay line forwards, not a bridge
+        assert "br0" not in hub_links(testbed)  # the delay line forwards, not a bridge
         for client, server in ((0, 1), (2, 0)):  # any pair: one hub crossing each way
             round_trip = median_round_trip_ms(testbed, client, server)
             # Measured 51.0 ms on a quiet machine, 51.4-52.7 ms beside a full test suite; the upper bound
@@ -140,7 +140,7 @@ def test_the_delay_line_adds_its_delay_both_ways_and_carries_the_rate():
     assert not made & namespaces()
 
 
-def testbed_links(testbed: Testbed) -> str:
+def hub_links(testbed: Testbed) -> str:
     return subprocess.run(
         ["ip", "-n", testbed.hub, "link", "show"], capture_output=True, text=True, timeout=20
     ).stdout
