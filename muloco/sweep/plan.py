@@ -161,6 +161,10 @@ def plan_sweep(spec: SweepSpec, threads: int | None) -> list[PlannedRun]:
             values["train.threads"] = threads
         values.setdefault("logging.wandb_group", spec.name)
         cfg = resolver.config(values, name)
+        if cfg.dp.comm_hook != "none" and values.get("train.threads") == threads:
+            # Started as one process per worker (runner.start_process): the job's cores shared among them.
+            values["train.threads"] = max(1, threads // cfg.workers)
+            cfg = resolver.config(values, name)
         overrides = resolver.overrides(cfg, list(values), name)
         runs.append(PlannedRun(name, assignment, overrides, cfg, is_baseline))
     return runs

@@ -35,10 +35,12 @@ def test_a_dp_comm_hook_run_starts_as_one_process_per_worker(write_sweep, tmp_pa
     spec = load_sweep(write_sweep(body))
     started = []
     monkeypatch.setattr(runner, "start_muloco", lambda args, **kwargs: started.append(args[:4]))
-    for run in plan_sweep(spec, threads=1):
+    runs = plan_sweep(spec, threads=4)
+    for run in runs:
         run.run_dir.mkdir(parents=True)
         runner.start_process(spec, run, tmp_path / f"{run.name}.log")
     assert started == [
         ["train", str(spec.base), *started[0][2:4]],
         ["launch", "--nproc", "2", str(spec.base)],
     ]
+    assert [run.config.train.threads for run in runs] == [4, 2]  # the job's cores shared by its processes
