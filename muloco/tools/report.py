@@ -98,6 +98,20 @@ def _flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def acting_settings(flat: dict[str, Any]) -> dict[str, Any]:
+    """A run's flattened config without the keys that do not act on it, so that runs written before such
+    a key existed compare equal to runs that carry its default: train.decay_fraction acts only with
+    lr_schedule wsd, dp.* only with a comm hook (dp.powersgd_* only with powersgd)."""
+    hook = flat.get("dp.comm_hook", "none")
+    return {
+        key: value
+        for key, value in flat.items()
+        if not (key == "train.decay_fraction" and flat.get("train.lr_schedule") != "wsd")
+        and not (key.startswith("dp.") and hook == "none")
+        and not (key.startswith("dp.powersgd_") and hook != "powersgd")
+    }
+
+
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
@@ -126,7 +140,7 @@ def load_runs(directory: Path) -> list[RunRecord]:
                 run_dir.name,
                 run_dir,
                 summary,
-                _flatten(config) if isinstance(config, dict) else {},
+                acting_settings(_flatten(config)) if isinstance(config, dict) else {},
                 sorted(evals.items()),
             )
         )

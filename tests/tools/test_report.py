@@ -140,3 +140,17 @@ def test_report_cli_on_an_empty_directory_exits_2(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no run directories" in err[0]
+
+
+def test_keys_that_do_not_act_on_a_run_are_left_out_of_its_settings():
+    """A run written before train.decay_fraction or dp.* existed compares equal to one carrying their
+    defaults: the keys count only where they act."""
+    from muloco.tools.report import acting_settings
+
+    old = {"inner.lr": 0.02, "train.lr_schedule": "cosine"}
+    new = {**old, "train.decay_fraction": 0.2, "dp.comm_hook": "none", "dp.powersgd_rank": 4}
+    assert acting_settings(new) == acting_settings(old) == old
+    bf16 = {**new, "dp.comm_hook": "bf16"}
+    assert acting_settings(bf16) == {**old, "dp.comm_hook": "bf16"}
+    wsd = {**new, "train.lr_schedule": "wsd"}
+    assert acting_settings(wsd)["train.decay_fraction"] == 0.2

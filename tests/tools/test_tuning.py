@@ -189,6 +189,11 @@ def test_a_dp_comm_hook_run_is_a_method_tuned_and_compared_against_plain_dp(tmp_
         fake_run(root, name, overrides, loss)
     build_report(root, TuneSpec(over=("inner.lr", "outer.lr"), per=("dp.comm_hook",)))
     [row] = json.loads((root / "tuned.json").read_text())["rows"]
-    assert row["cell"]["settings"] == {"dp.comm_hook": "powersgd"}
+    # The PowerSGD keys act on this cell only (plain DP runs leave them out): they label it.
+    assert row["cell"]["settings"] == {
+        "dp.comm_hook": "powersgd",
+        "dp.powersgd_rank": 4,
+        "dp.powersgd_start_step": 10,
+    }
     assert row["cell"]["best"]["inner.lr"] == 0.01 and row["dp"]["best"]["inner.lr"] == 0.02
     assert row["pct_over_dp"] == pytest.approx(gap(3.05, 2.90))
