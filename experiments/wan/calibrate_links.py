@@ -1,0 +1,126 @@
+"""Link rates that give this machine the communication/compute ratio of a named deployment (issue 36, item 3).
+
+A deployment is characterized by DDP's all-reduce time over its compute time per step. Worked out for a
+~1B-parameter model trained by 4 sites (fp32 gradients, ring all-reduce, K = 4):
+
+    gradient 4 GB; each site sends 2 (K-1)/K x 4 GB = 6 GB per all-reduce = 48 Gbit
+    over 1 Gbit/s (95.7% of it TCP payload): ~50 s; over 10 Gbit/s: ~5 s
+    compute per step: ~0.5M tokens per site x 6 x 1e9 FLOP/token = 3e15 FLOP on 8 GPUs at ~400 TFLOP/s
+      effective = ~0.94 s
+    ratio: ~50 at 1 Gbit/s, ~5 at 10 Gbit/s; a compute-bound link: <= 0.5
+
+This script measures the compute time per DDP step of CONFIG here (K processes of `muloco launch`, on
+loopback, each with its share of the cores: as the testbed runs them) and solves, for each ratio, the link
+rate R at which the all-reduce of this model's gradients takes ratio x that time, one-way latency included:
+
+    ratio x compute = 8 x 2 (K-1)/K x G / (0.957 R) + 2 (K-1) x latency
+
+Where the latency alone exceeds ratio x compute the ratio cannot be reached at that latency: it says so, with
+the compute per step a step would need (at most half of the all-reduce time spent in latency).
+
+    python experiments/wan/calibrate_links.py [--config configs/pico.yaml] [--workers 4] [--latency-ms 25]
+        [--ratios 50 5 0.5] [--steps 60] [KEY=VALUE ...]
+
+Run it on a quiet machine. Prints a table and writes experiments/wan/results/calibrate_links.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from muloco.config import load_config
+from muloco.net.wan import TCP_PAYLOAD_EFFICIENCY
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = Path(__file__).parent / "results" / "calibrate_links.json"
+
+
+def compute_per_step(config: str, workers: int, steps: int, overrides: list[str]) -> tuple[float, int]:
+    """(compute seconds per DDP step per worker, parameters): a short `method: dp` run of K processes."""
+    cfg = load_config(config, [*overrides, "method=dp", f"workers={workers}"])
+    tokens = steps * cfg.train.batch_tokens
+    with tempfile.TemporaryDirectory(prefix="muloco-calibrate-") as out:
+        args = [*overrides, "method=dp", f"workers={workers}", f"train.total_tokens={tokens}"]
+        args += [f"train.warmup_steps={min(cfg.train.warmup_steps, steps)}", "logging.progress=off"]
+        args += [f"run.output_dir={out}", "run.name=calibrate", f"train.eval_every={10 * steps}"]
+        cmd = [sys.executable, "-m", "muloco", "launch", "--nproc", str(workers), config, *args]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
+        summary = json.loads((Path(out) / "calibrate" / "summary.json").read_text())
+    return summary["worker_compute_s"] / summary["inner_steps"], summary["params"]
+
+
+def link_for(ratio: float, compute_s: float, ring_bytes: float, workers: int, latency_s: float) -> dict:
+    target_s = ratio * compute_s
+    latency_part = 2 * (workers - 1) * latency_s
+    if target_s <= latency_part:
+        return {
+            "ratio": ratio,
+            "allreduce_s": target_s,
+            "rate_mbit": None,
+            "why": f"latency alone takes {latency_part:.3f} s > {target_s:.3f} s",
+            "compute_s_needed": 2 * latency_part / ratio,  # latency at most half of the all-reduce
+        }
+    rate = 8 * ring_bytes / (TCP_PAYLOAD_EFFICIENCY * (target_s - latency_part)) / 1e6
+    return {
+        "ratio": ratio,
+        "allreduce_s": target_s,
+        "rate_mbit": rate,
+        "latency_share": latency_part / target_s,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "configs/pico.yaml"))
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--latency-ms", type=float, default=25.0, help="one way, every link")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[50.0, 5.0, 0.5])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE for the config")
+    args = parser.parse_args()
+
+    compute_s, params = compute_per_step(args.config, args.workers, args.steps, args.overrides)
+    K = args.workers
+    ring_bytes = 2 * (K - 1) / K * 4 * params
+    rows = [link_for(r, compute_s, ring_bytes, K, args.latency_ms / 1e3) for r in args.ratios]
+    print(
+        f"{Path(args.config).name} {' '.join(args.overrides)}: {params:,} parameters, K = {K}, "
+        f"ring all-reduce {ring_bytes / 1e6:.3f} MB per worker, "
+        f"compute {compute_s * 1e3:.1f} ms per DDP step, {args.latency_ms:g} ms one way"
+    )
+    print("| ratio | all-reduce time | link rate | note |")
+    print("|---|---|---|---|")
+    for row in rows:
+        if row["rate_mbit"] is None:
+            needed = f"{row['compute_s_needed'] * 1e3:.0f} ms"
+            note = f"not reachable: {row['why']}; needs >= {needed} of compute per step"
+            print(f"| {row['ratio']:g} | {row['allreduce_s']:.3f} s | - | {note} |")
+        else:
+            note = f"latency {row['latency_share']:.0%} of the all-reduce"
+            print(
+                f"| {row['ratio']:g} | {row['allreduce_s']:.3f} s | {row['rate_mbit']:.1f} Mbit/s | {note} |"
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "workers": K,
+        "latency_ms": args.latency_ms,
+        "params": params,
+        "ring_allreduce_bytes": ring_bytes,
+        "compute_s_per_step": compute_s,
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
