@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterable
+from itertools import islice
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from muloco.config import DpConfig
+from muloco.run.replica import forward_backward
 
 BF16_BYTES, FP32_BYTES = 2, 4
 
@@ -92,16 +94,10 @@ class CommHookDDP:
     ) -> float:
         """Gradients of the mean loss over this rank's micro-batches, averaged over the ranks by the hook
         during the last backward (the earlier ones accumulate under no_sync). Returns the sum of losses."""
-        total = 0.0
-        for i, (x, y) in enumerate(batches):
-            last = i == micro_batches - 1
-            with contextlib.nullcontext() if last else self.module.no_sync():
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with autocast():
-                    loss = self.module(x, y)
-                (loss / micro_batches).backward()
-            total += loss.item()
-        return total
+        batches, scale = iter(batches), 1.0 / micro_batches
+        with self.module.no_sync():
+            total = forward_backward(self.module, islice(batches, micro_batches - 1), scale, device, autocast)
+        return total + forward_backward(self.module, batches, scale, device, autocast)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -159,7 +155,14 @@ class PerParameterState:
         return error, p, q
 
     def _take_apart(self) -> dict[str, dict[int, torch.Tensor]]:
-        """torch's per-bucket state, per parameter (torch's dicts emptied: laid out again on use)."""
+        """torch's per-bucket state, per parameter, and torch's dicts emptied (laid out again on use)."""
+        parts = self._per_parameter()
+        self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict = {}, {}, {}
+        self.layouts = {}
+        return parts
+
+    def _per_parameter(self) -> dict[str, dict[int, torch.Tensor]]:
+        """The state per parameter: what is still pending, and torch's buckets cut by their layouts."""
         state = self.state
         parts = {key: dict(values) for key, values in self.pending.items()} or {"error": {}, "p": {}, "q": {}}
         for index, layout in self.layouts.items():
@@ -173,14 +176,11 @@ class PerParameterState:
                 for i, (offset, length) in where.items():
                     if flat is not None:
                         parts[key][i] = flat[offset : offset + length].clone()
-        state.error_dict, state.p_memory_dict, state.q_memory_dict = {}, {}, {}
-        self.layouts = {}
         return parts
 
     def state_dict(self) -> dict:
         s = self.state
-        parts = self._take_apart()
-        self.pending = parts
+        parts = self._per_parameter()
         _, keys, pos, has_gauss, cached = s.rng.get_state()
         return {
             "iter": s.iter,
