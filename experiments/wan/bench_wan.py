@@ -1,271 +1,315 @@
-"""The headline benchmark: DDP vs DiLoCo vs MuLoCo vs streaming MuLoCo over rate-limited links.
+"""The WAN headline: wall-clock to DDP's final loss over emulated links, DDP and its hooks against DiLoCo and
+MuLoCo (issue 36).
 
-Four workers of the `small` model (10.8M parameters), each its own host in a network namespace
-(`muloco.net.testbed`), links limited with tc tbf to each rate of --rates (Mbit/s, both directions). Rows:
-DDP (gradient all-reduce every step, Muon), DiLoCo fp32 H=30 (AdamW inside), MuLoCo fp32 H=30, MuLoCo 4-bit
-H=30 (statistical row-wise quantization with error feedback), streaming MuLoCo 4-bit (P=3, tau=2), on the
-torch backend (gloo over the emulated links), and MuLoCo 4-bit on the hivemind backend.
+The regime is pico's (configs/pico.yaml: K = 4, H = 15, 1,500 inner steps = 100 outer steps for DDP's
+budget; each row at its tuned lr, wsd with its decay in its own horizon's last 20%: wan_rows.py). The links
+model named deployments by DDP's all-reduce time over its compute time per step (docs/wan.md): the compute
+per DDP step is measured here and each ratio's rate solved for (calibrate_links.py), every link with the same
+one-way delay (the hub's delay line); a ratio that this delay alone exceeds gets no added delay (a LAN) and
+the table says so.
 
-Per row: training seconds per 1M tokens, the fraction of them spent waiting on the network (comm_wait_s),
-bytes sent per worker (counted by muloco, and on the wire by the kernel), val loss at equal tokens
-(--steps), and the wall-clock to reach DDP's final val loss at the same rate. The inner lr schedule is
-constant after warmup so that a longer run's first --steps steps are exactly the shorter run: the rows in
---extend run --extend-factor x longer, and their loss at equal tokens is read at step --steps of the same run.
-Next to the measured times: the WAN planner's projection (muloco.net.wan.plan) from the measured step time.
+1. Curves (loopback, wan_runs.py): DDP's 1x run sets the target, its final val loss. Each other row trains
+   horizons of --horizons x DDP's steps in turn until one ends at or below the target (at most 3x).
+2. Links (the testbed, 4 hosts): each row over each link. A low-communication row runs in full at its
+   horizon, and its wall-clock is its train clock to its first evaluation at or below the target. A
+   per-step row (DDP, + PowerSGD, + bf16) runs a window of --window steps over the link: its median step
+   time, all-reduces included, times the steps its curve needs (over a slow link a full run takes hours).
+3. Report (wan_report.py): the table, the planner's projection of each measured run (muloco.net.wan),
+   and with --plots the planner's speed-up over DDP from 1 Mbit/s to 10 Gbit/s with the measured points.
 
-    python experiments/wan/bench_wan.py                       # ~50 min on 2 cores
-    python experiments/wan/bench_wan.py --steps 30 --rates 100 --rows ddp,muloco_4bit   # a quick look
+    python experiments/wan/bench_wan.py --plots docs/img          # everything (root; ~100 min on 2 cores)
+    python experiments/wan/bench_wan.py --quick                   # two rows, a few outer steps (< 2 min)
+    python experiments/wan/bench_wan.py --report-only --markdown  # the table again, from the JSON
 
-Needs root and iproute2; prints a table and writes JSON (--out).
+Needs root and iproute2 (the testbed). Prints the table and writes JSON (--out).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import shutil
 import sys
 import time
 from pathlib import Path
 
-import yaml
+from calibrate_links import link_for
+from wan_report import format_curves, format_markdown, format_table, planner_s, plot, speedup_curve
+from wan_rows import ROWS, Row
+from wan_runs import first_at_or_below, loopback_curve, on_link
 
-from muloco.net.testbed import Testbed, missing_requirements, train_on_testbed
-from muloco.net.wan import Link, allreduce_seconds, sync_seconds
+from muloco.net.testbed import Testbed, missing_requirements
+from muloco.net.wan import Link
 
 HERE = Path(__file__).resolve().parent
-CONFIG = HERE / "wan_small.yaml"
-TOKENS_PER_STEP = yaml.safe_load(CONFIG.read_text())["train"]["batch_tokens"]
-FOUR_BIT = ["compression.scheme=statistical", "compression.bits=4", "compression.granularity=row",
-            "compression.error_feedback=true"]  # fmt: skip
-# key: (label, backend, overrides)
-ROWS = {
-    "ddp": ("DDP (Muon, fp32 all-reduce every step)", "torch", ["method=dp"]),
-    "diloco_fp32": ("DiLoCo fp32 H=30 (AdamW)", "torch", ["inner.optimizer=adamw"]),
-    "muloco_fp32": ("MuLoCo fp32 H=30", "torch", []),
-    "muloco_4bit": ("MuLoCo 4-bit H=30", "torch", FOUR_BIT),
-    "streaming_4bit": (
-        "streaming MuLoCo 4-bit P=3 tau=2",
-        "torch",
-        [*FOUR_BIT, "sync.fragments=3", "sync.overlap=2"],
-    ),  # fmt: skip
-    # target_group_size: a group starts as soon as all 4 peers are in, not after the whole matchmaking window
-    "hivemind_4bit": (
-        "MuLoCo 4-bit H=30, hivemind",
-        "hivemind",
-        [*FOUR_BIT, "backend.hivemind.target_group_size=4"],
-    ),  # fmt: skip
-}
+ROOT = HERE.parents[1]
+BATCH_TOKENS = 2048  # pico's
+WORKERS = 4
+PLOT_RATES = [10 ** (k / 8) for k in range(0, 33)]  # 1 Mbit/s to 10 Gbit/s
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rates", default="100,1000", help="link rates in Mbit/s, comma-separated")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {list(ROWS)}")
-    ap.add_argument("--steps", type=int, default=120, help="inner steps at equal tokens (H = 30)")
-    ap.add_argument("--extend", default="muloco_4bit,streaming_4bit",
-                    help="rows run longer at the lowest rate, to reach DDP's final loss")  # fmt: skip
-    ap.add_argument("--extend-factor", type=float, default=2.0)
-    ap.add_argument("--extend-rate", type=float, default=100.0, help="the rate (Mbit/s) of the longer runs")
-    ap.add_argument("--workdir", default="runs/wan_bench")
-    ap.add_argument("--out", default=str(HERE.parent / "benchmarks/results/wan.json"))
-    ap.add_argument("--report-only", action="store_true", help="re-render --out's rows (no runs)")
-    ap.add_argument("--merge", action="store_true", help="add the rows to --out's, replacing the same ones")
-    ap.add_argument("--markdown", action="store_true", help="with --report-only: the table as markdown")
+    ap.add_argument("--steps", type=int, default=1500, help="DDP's inner steps (its budget)")
+    ap.add_argument("--horizons", default="1,1.5,2,3", help="x DDP's steps (find_horizons)")
+    ap.add_argument("--ratios", default="50,5,0.5", help="DDP's all-reduce / compute per step, per link")
+    ap.add_argument("--delay-ms", type=float, default=20.0, help="one way, every link that can have it")
+    ap.add_argument("--window", type=int, default=40, help="steps a per-step row runs over a link")
+    ap.add_argument("--eval-every", type=int, default=45, help="inner steps (3 outer steps)")
+    ap.add_argument("--quick", action="store_true", help="ddp and muloco_4bit, 60 steps, one link")
+    ap.add_argument("--workdir", type=Path, default=ROOT / "runs/wan_headline")
+    ap.add_argument("--out", type=Path, default=HERE / "results/wan_headline.json")
+    ap.add_argument("--plots", type=Path, help="write the speed-up plot (wan_speedup.png) here")
+    ap.add_argument("--reuse-curves", action="store_true", help="read completed loopback runs in --workdir")
+    ap.add_argument("--curves-only", action="store_true", help="phase 1 only (no testbed needed)")
+    ap.add_argument("--report-only", action="store_true", help="re-render --out (no runs)")
+    ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     args = ap.parse_args()
+    if args.quick:
+        args.rows, args.steps, args.horizons, args.ratios = "ddp,muloco_4bit", 60, "1,2", "50"
+        args.window, args.eval_every = 12, 15
     if args.report_only:
-        saved = json.loads(Path(args.out).read_text())
-        report(saved["rows"], args.out, saved["command"], quiet=args.markdown)
-        if args.markdown:
-            print(format_markdown(saved["rows"]))
-        return 0
+        saved = json.loads(args.out.read_text())
+        return report(saved, args, runs_s=None)
 
-    reason = missing_requirements()
+    reason = None if args.curves_only else missing_requirements()
     if reason:
         print(f"bench_wan: cannot run: {reason}", file=sys.stderr)
         return 2
-    rates = [float(r) for r in args.rates.split(",")]
-    rows = [r for r in args.rows.split(",") if r]
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        print(f"bench_wan: unknown --rows {unknown}; choose from {list(ROWS)}", file=sys.stderr)
+    keys = [k for k in args.rows.split(",") if k]
+    unknown = [k for k in keys if k not in ROWS]
+    if unknown or "ddp" not in keys:
+        print(
+            f"bench_wan: --rows needs ddp and names from {list(ROWS)} (unknown: {unknown})", file=sys.stderr
+        )
         return 2
-    extend = set(args.extend.split(",")) if args.extend else set()
-    workdir = Path(args.workdir)
-    results, command = [], " ".join(sys.argv)
-    if args.merge and Path(args.out).exists():
-        earlier = json.loads(Path(args.out).read_text())
-        fresh = {(key, rate) for key in rows for rate in rates}
-        results = [r for r in earlier["rows"] if (r["key"], r["rate_mbit"]) not in fresh]
-        command = f"{earlier['command']}; then {command}"
-    for rate in rates:
-        with Testbed(4, rate) as testbed:
-            for key in rows:
-                steps = args.steps
-                if key in extend and rate == args.extend_rate:
-                    steps = int(args.steps * args.extend_factor)
+    rows = [ROWS[k] for k in keys]
+    horizons = [float(h) for h in args.horizons.split(",")]
+    started = time.perf_counter()
+
+    # 1. Curves on loopback: the target, and each row's horizon.
+    curves = find_horizons(
+        rows, args.steps, horizons, args.workdir / "curves", args.eval_every, args.reuse_curves
+    )
+    ddp_curve = curves["ddp"]
+    target = ddp_curve["runs"][0]["summary"]["final_val_loss"]
+    compute_s = (
+        ddp_curve["runs"][0]["summary"]["worker_compute_s"] / ddp_curve["runs"][0]["summary"]["inner_steps"]
+    )
+    links = choose_links([float(r) for r in args.ratios.split(",")], compute_s, ddp_curve, args.delay_ms)
+    print(
+        f"target: DDP's final val loss {target:.4f}; compute {compute_s * 1e3:.1f} ms per DDP step; links: "
+        + ", ".join(f"ratio {link['ratio']:g}: {link['label']}" for link in links),
+        flush=True,
+    )
+    saved = {
+        "command": " ".join(sys.argv),
+        "target_val_loss": target,
+        "compute_s_per_ddp_step": compute_s,
+        "links": links,
+        "curves": {k: summarize_curve(c) for k, c in curves.items()},
+        "rows": [],
+    }
+    if args.curves_only:
+        return report(saved, args, runs_s=time.perf_counter() - started)
+
+    # 2. Every row over every link.
+    results = []
+    for link in links:
+        with Testbed(WORKERS, link["rate_mbit"], link["delay_ms"]) as testbed:
+            for row in rows:
+                curve = curves[row.curve_row]
                 try:
-                    results.append(run_row(testbed, key, rate, steps, args.steps, workdir))
+                    run = on_link(
+                        testbed,
+                        row,
+                        curve["steps"],
+                        BATCH_TOKENS,
+                        args.workdir / "links",
+                        args.eval_every,
+                        args.window if row.per_step else None,
+                    )
                 except RuntimeError as exc:  # one failed row does not cost the others
                     print(f"bench_wan: {exc}", file=sys.stderr, flush=True)
                     continue
-                print(json.dumps(results[-1]["measured"]), flush=True)
-                report(results, args.out, command, quiet=True)  # a partial result survives
-    report(results, args.out, command)
-    return 0
+                results.append(measure(row, link, curve, run, target))
+                print(
+                    json.dumps({k: results[-1][k] for k in ("key", "link_label", "s_to_target")}), flush=True
+                )
+    saved["rows"] = results
+    return report(saved, args, runs_s=time.perf_counter() - started)
 
 
-def report(results: list[dict], out: str, command: str, quiet: bool = False) -> None:
-    order = list(ROWS)
-    results.sort(key=lambda r: (r["rate_mbit"], order.index(r["key"])))
-    for rate in {r["rate_mbit"] for r in results}:
-        add_comparisons([r for r in results if r["rate_mbit"] == rate])
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps({"command": command, "rows": results}, indent=1))
-    if not quiet:
-        print(format_table(results))
-        print(f"wrote {out}")
+def find_horizons(
+    rows: list[Row], steps: int, horizons: list[float], workdir: Path, eval_every: int, reuse: bool
+) -> dict:
+    """Per curve row: the shortest of `horizons` (x DDP's steps) whose run ends at or below DDP's final loss
+    (None: not even the longest). Tried shortest, longest, then the others upwards: a row that never gets
+    there costs two runs, not all of them."""
+    ddp = loopback_curve(ROWS["ddp"], steps, BATCH_TOKENS, workdir, eval_every, reuse)
+    curves = {"ddp": {"runs": [ddp], "horizon": 1.0, "steps": steps}}
+    target = ddp["summary"]["final_val_loss"]
+    order = [horizons[0], *horizons[-1:], *horizons[1:-1]] if len(horizons) > 1 else horizons
+    for key in dict.fromkeys(r.curve_row for r in rows if r.curve_row != "ddp"):
+        runs, reached = {}, []
+        for h in order:
+            runs[h] = loopback_curve(ROWS[key], round(h * steps), BATCH_TOKENS, workdir, eval_every, reuse)
+            final = runs[h]["summary"]["final_val_loss"]
+            print(f"curve {key} {h:g}x: final {final:.4f}", flush=True)
+            if final <= target:
+                reached.append(h)
+            if h == horizons[0] and reached:
+                break  # the shortest got there
+            if h == horizons[-1] and not reached:
+                break  # not even the longest: no other will
+            if h not in order[:2] and final <= target:
+                break  # after the longest did: the first of the others that does
+        reached = min(reached) if reached else None
+        # The link runs it at its horizon; one that never gets there at DDP's (its time, its loss then).
+        chosen = reached if reached is not None else horizons[0]
+        curves[key] = {
+            "runs": [runs[h] for h in sorted(runs)],
+            "chosen": runs[chosen],
+            "horizon": reached,
+            "steps": round(chosen * steps),
+        }
+    curves["ddp"]["chosen"] = ddp
+    return curves
 
 
-def run_row(testbed: Testbed, key: str, rate: float, steps: int, equal_steps: int, workdir: Path) -> dict:
-    label, backend, overrides = ROWS[key]
-    name = f"{key}_{rate:g}mbit"
-    for old in workdir.glob(f"{name}*"):
-        shutil.rmtree(old)
-    overrides = [
-        *overrides,
-        f"run.name={name}",
-        f"run.output_dir={workdir}",
-        f"train.total_tokens={TOKENS_PER_STEP * steps}",
-        "train.lr_schedule=constant",
-        "checkpoint.resume=never",
-    ]
-    started = time.perf_counter()
-    run = train_on_testbed(testbed, str(CONFIG), overrides, workdir / f"{name}.logs", backend, timeout_s=3600)
-    if not run.ok:
-        raise RuntimeError(f"{name} failed (exit codes {run.returncodes}); see {run.logs}")
-    run_dir = workdir / (f"{name}-peer0" if backend == "hivemind" else name)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [(r["step"], r["time_s"], r["val_loss"]) for r in records if r["kind"] == "eval"]
-    train_s = summary["tokens_seen"] / summary["train_tokens_per_s"]
-    equal = [loss for step, _, loss in evals if step <= equal_steps][-1]
-    step_s = summary["worker_compute_s"] / summary["inner_steps"]
+def choose_links(ratios: list[float], compute_s: float, ddp_curve: dict, delay_ms: float) -> list[dict]:
+    """Each ratio's rate at `delay_ms` one way (at no added delay where the delay alone exceeds it)."""
+    params = ddp_curve["runs"][0]["summary"]["params"]
+    ring = 2 * (WORKERS - 1) / WORKERS * 4 * params
+    links = []
+    for ratio in ratios:
+        solved, delay = link_for(ratio, compute_s, ring, WORKERS, delay_ms / 1e3), delay_ms
+        if solved["rate_mbit"] is None:
+            solved, delay = link_for(ratio, compute_s, ring, WORKERS, 0.0), 0.0
+        label = f"{solved['rate_mbit']:.3g} Mbit/s {delay:g} ms"
+        links.append(
+            {"ratio": ratio, "rate_mbit": round(solved["rate_mbit"], 2), "delay_ms": delay, "label": label}
+        )
+    return links
+
+
+def measure(row: Row, link: dict, curve: dict, run: dict, target: float) -> dict:
+    """One table row: `row` over `link`, from its run there and its curve."""
+    summary, final = run["summary"], curve["chosen"]
+    out = {
+        "key": row.key,
+        "label": row.label,
+        "backend": row.backend,
+        "per_step": row.per_step,
+        "link_label": link["label"],
+        "rate_mbit": link["rate_mbit"],
+        "delay_ms": link["delay_ms"],
+        "ratio": link["ratio"],
+        "horizon": curve["horizon"],
+        "transport": summary.get("transport"),
+        "overlap": summary.get("overlap") or 0,
+        "val_equal_tokens": curve["runs"][0]["summary"]["final_val_loss"],
+        "process_wall_s": run["process_wall_s"],
+    }
+    if row.per_step:
+        step_s = run["step_s_median"]
+        reached = first_at_or_below(final["evals"], target)
+        steps = reached["step"] if reached else None
+        # Its compute on loopback: under a hook DDP's all-reduce runs inside the backward pass, so the
+        # window's own compute time would include the link's.
+        compute = final["summary"]["worker_compute_s"] / final["summary"]["inner_steps"]
+        wire_per_step = run["wire_bytes_per_worker"] / summary["inner_steps"]
+        out.update(
+            step_s=step_s,
+            step_s_spread=run["step_s_spread"],
+            window_steps=run["window_steps"],
+            step_compute_s=compute,
+            steps_to_target=steps,
+            s_to_target=None if steps is None else step_s * steps,
+            wait_fraction=max(0.0, 1 - compute / step_s),
+            run_steps=final["summary"]["inner_steps"],
+            run_syncs=final["summary"]["inner_steps"],
+            run_bytes_per_worker=final["summary"]["bytes_sent_per_worker"],
+            allreduces_per_step=3 if "dp.comm_hook=powersgd" in row.overrides else 1,
+            ratio_measured=(step_s - compute) / compute,
+        )
+        out["bytes_to_target"] = out["run_bytes_per_worker"] * (steps or out["run_steps"]) / out["run_steps"]
+        out["wire_to_target"] = wire_per_step * (steps or out["run_steps"])
+        out["evals"] = [{**e, "clock_s": e["step"] * step_s} for e in final["evals"]]
+    else:
+        t0 = run["evals"][0]["time_s"]
+        evals = [{**e, "clock_s": e["time_s"] - t0} for e in run["evals"]]
+        reached = first_at_or_below(evals, target)
+        train_s = summary["tokens_seen"] / summary["train_tokens_per_s"]
+        out.update(
+            step_compute_s=summary["worker_compute_s"] / summary["inner_steps"],
+            steps_to_target=reached["step"] if reached else None,
+            s_to_target=reached["clock_s"] if reached else None,
+            wait_fraction=summary["comm_wait_s"] / train_s,
+            run_steps=summary["inner_steps"],
+            run_syncs=summary["fragment_syncs"],
+            run_bytes_per_worker=summary["bytes_sent_per_worker"],
+            evals=evals,
+        )
+        share = (out["steps_to_target"] or out["run_steps"]) / out["run_steps"]
+        out["bytes_to_target"] = out["run_bytes_per_worker"] * share
+        out["wire_to_target"] = run["wire_bytes_per_worker"] * share
+    return out
+
+
+def summarize_curve(curve: dict) -> dict:
     return {
-        "key": key,
-        "label": label,
-        "backend": backend,
-        "rate_mbit": rate,
-        "steps": steps,
-        "measured": {
-            "name": name,
-            "train_s": round(train_s, 2),
-            "s_per_1m_tokens": round(1e6 * train_s / summary["tokens_seen"], 1),
-            "network_wait_fraction": round(summary["comm_wait_s"] / train_s, 4),
-            "step_compute_s": round(step_s, 4),
-            "bytes_per_worker": summary["bytes_sent_per_worker"] * equal_steps / steps,
-            # whole run, set-up included (rank 0 broadcasts the initial parameters; hivemind peers load state)
-            "wire_bytes_per_worker": sum(run.wire_sent) / len(run.wire_sent),
-            "val_loss_equal_tokens": equal,
-            "final_val_loss": summary["final_val_loss"],
-            "process_wall_s": round(run.wall_s, 1),
-            "harness_s": round(time.perf_counter() - started, 1),
-        },
-        # train clock: seconds since the first evaluation (set-up excluded, later evaluations included)
-        "evals": [
-            {"step": s, "train_clock_s": round(t - evals[0][1], 2), "val_loss": v} for s, t, v in evals
+        "horizon": curve["horizon"],
+        "steps": curve["steps"],
+        "runs": [
+            {
+                "steps": r["summary"]["inner_steps"],
+                "final_val_loss": r["summary"]["final_val_loss"],
+                "evals": r["evals"],
+            }
+            for r in curve["runs"]
         ],
-        "params": summary["params"],
-        "payload_bytes_per_sync": summary["payload_bytes_per_sync"],
     }
 
 
-def projected_s_per_1m_tokens(row: dict, step_s: float, link: Link) -> float:
-    """The WAN planner's time for row's run on `link`, from the run's measured step time: every step's
-    compute plus, per sync, the transfer not hidden behind overlapped steps (muloco.net.wan's link model).
-    Streaming: its last sync sends every fragment at once without overlap (the run's final flush), which
-    a per-outer-step plan, a steady state, leaves out."""
-    K, H, P, steps = 4, 30, row["params"], row["steps"]
-    compute = steps * step_s
-    if row["key"] == "ddp":
-        wait = steps * allreduce_seconds(link, 4.0 * P, K)
-    elif row["key"] == "streaming_4bit":
-        fragments, tau = 3, 2
-        whole = row["payload_bytes_per_sync"]  # one replica's message, all fragments
-        fragment = sync_seconds(link, whole / fragments, K, compressed=True)
-        overlapped = fragments * steps // H - 1
-        wait = overlapped * max(0.0, fragment - tau * step_s) + sync_seconds(link, whole, K, compressed=True)
-    else:
-        compressed = row["key"].endswith("4bit")
-        payload = row["payload_bytes_per_sync"] if compressed else 4.0 * P
-        wait = math.ceil(steps / H) * sync_seconds(link, payload, K, compressed)
-    return 1e6 * (compute + wait) / (steps * TOKENS_PER_STEP)
-
-
-def add_comparisons(rows: list[dict]) -> None:
-    """Wall-clock to DDP's final loss (first eval at or below it) and the planner's projection."""
-    ddp = next((r for r in rows if r["key"] == "ddp"), None)
-    target = ddp["measured"]["val_loss_equal_tokens"] if ddp else None
-    for row in rows:
-        m = row["measured"]
-        link, line_rate = Link(row["rate_mbit"]), Link(row["rate_mbit"], efficiency=1.0)
-        m["projected_s_per_1m_tokens"] = round(projected_s_per_1m_tokens(row, m["step_compute_s"], link), 1)
-        # the planner before this benchmark: payload bytes at the line rate, headers not counted
-        m["projected_at_line_rate"] = round(projected_s_per_1m_tokens(row, m["step_compute_s"], line_rate), 1)
-        m["measured_over_projected"] = round(m["s_per_1m_tokens"] / m["projected_s_per_1m_tokens"], 3)
-        reached = next((e for e in row["evals"] if target is not None and e["val_loss"] <= target), None)
-        m["s_to_ddp_loss"] = reached["train_clock_s"] if reached else None
-        m["step_to_ddp_loss"] = reached["step"] if reached else None
-    if ddp and ddp["measured"]["s_to_ddp_loss"]:
-        for row in rows:
-            m, ddp_s = row["measured"], ddp["measured"]["s_to_ddp_loss"]
-            m["time_to_ddp_loss_vs_ddp"] = (
-                round(m["s_to_ddp_loss"] / ddp_s, 3) if m["s_to_ddp_loss"] else None
-            )
-
-
-def format_table(results: list[dict]) -> str:
-    header = (
-        f"{'Mbit/s':>6} {'method':<40} {'s/1M tok':>8} {'planner':>8} {'wait %':>6} {'MB/worker':>9} "
-        f"{'steps':>5} {'wire MB':>8} {'val@eq':>7} {'to DDP loss s':>15} {'vs DDP':>6}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in results:
-        m = r["measured"]
-        to_ddp = "not reached"
-        if m["s_to_ddp_loss"]:
-            to_ddp = f"{m['s_to_ddp_loss']:.0f} (step {m['step_to_ddp_loss']})"
-        ratio = m.get("time_to_ddp_loss_vs_ddp")
-        lines.append(
-            f"{r['rate_mbit']:>6g} {r['label']:<40} {m['s_per_1m_tokens']:>8.0f} "
-            f"{m['projected_s_per_1m_tokens']:>8.0f} {100 * m['network_wait_fraction']:>5.1f}% "
-            f"{m['bytes_per_worker'] / 1e6:>9.1f} {r['steps']:>5} {m['wire_bytes_per_worker'] / 1e6:>8.1f} "
-            f"{m['val_loss_equal_tokens'] or float('nan'):>7.3f} {to_ddp:>15} "
-            f"{(f'{ratio:.3f}' if ratio else '-'):>6}"
+def report(saved: dict, args, runs_s: float | None) -> int:
+    """Comparisons within each link (vs DDP, at DDP's wall-clock, the planner), the table, JSON, plot."""
+    rows = saved["rows"]
+    for link in saved["links"]:
+        here = [r for r in rows if r["link_label"] == link["label"]]
+        ddp = next((r for r in here if r["key"] == "ddp"), None)
+        for r in here:
+            r["planner_s"] = planner_s(r, Link(r["rate_mbit"], r["delay_ms"]))
+            if r["planner_s"] and r["s_to_target"]:
+                r["measured_over_planner"] = r["s_to_target"] / r["planner_s"]
+            if ddp and ddp["s_to_target"] and r["s_to_target"]:
+                r["vs_ddp"] = r["s_to_target"] / ddp["s_to_target"]
+            if ddp and ddp["s_to_target"]:
+                within = [e for e in r["evals"] if e["clock_s"] <= ddp["s_to_target"]]
+                r["val_equal_wall"] = within[-1]["val_loss"] if within else None
+        # Live recovery's cost: the run with a worker killed and restarted against the undisturbed one.
+        calm = next((r for r in here if r["key"] == "torchft_4bit" and r["s_to_target"]), None)
+        for r in here:
+            if r["key"] == "torchft_4bit_kill" and calm and r["s_to_target"]:
+                r["vs_undisturbed"] = r["s_to_target"] / calm["s_to_target"]
+    if runs_s is not None:
+        saved["bench_s"] = round(runs_s, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(saved, indent=1))
+    print(format_curves(saved["curves"], saved["target_val_loss"]))
+    if rows:
+        print(format_markdown(rows) if args.markdown else format_table(rows))
+    if args.plots and rows:
+        first = saved["links"][0]
+        measured = [r for r in rows if r["link_label"] == first["label"]]
+        curves = speedup_curve(measured, PLOT_RATES, first["delay_ms"])
+        points = [p for p in rows if p["delay_ms"] == first["delay_ms"]]
+        plot(
+            curves, PLOT_RATES, points, {k: r.label for k, r in ROWS.items()}, args.plots / "wan_speedup.png"
         )
-    return "\n".join(lines)
-
-
-def format_markdown(results: list[dict]) -> str:
-    lines = [
-        "| link | method | s / 1M tokens (planner) | network wait | MB / worker | wire MB / worker (steps) "
-        "| val loss at equal tokens | to DDP's loss: s (step) | vs DDP |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        m = r["measured"]
-        to_ddp = (
-            f"{m['s_to_ddp_loss']:.0f} ({m['step_to_ddp_loss']})" if m["s_to_ddp_loss"] else "not reached"
-        )
-        ratio = m.get("time_to_ddp_loss_vs_ddp")
-        lines.append(
-            f"| {r['rate_mbit']:g} Mbit/s | {r['label']} | {m['s_per_1m_tokens']:.0f} "
-            f"({m['projected_s_per_1m_tokens']:.0f}) | {100 * m['network_wait_fraction']:.1f}% "
-            f"| {m['bytes_per_worker'] / 1e6:.1f} | {m['wire_bytes_per_worker'] / 1e6:.1f} ({r['steps']}) "
-            f"| {m['val_loss_equal_tokens']:.3f} | {to_ddp} | {f'{ratio:.2f}x' if ratio else '-'} |"
-        )
-    return "\n".join(lines)
+        print(f"wrote {args.plots / 'wan_speedup.png'}")
+    print(f"wrote {args.out}" + (f" ({runs_s / 60:.1f} min)" if runs_s else ""))
+    return 0
 
 
 if __name__ == "__main__":

@@ -163,6 +163,30 @@ def plan(
     return rows
 
 
+@dataclass(frozen=True)
+class Workload:
+    """A run up to some loss, as measured, for projecting its wall-clock onto any link (bench_wan.py).
+
+    steps inner steps of step_compute_s each (one worker); syncs collectives on the link, each sending
+    bytes_per_sync per worker (as muloco counts them) in hops_per_sync latency rounds; a sync overlaps
+    hidden_steps inner steps (Streaming DiLoCo's tau; 0 when the worker waits for it)."""
+
+    steps: int
+    step_compute_s: float
+    syncs: int
+    bytes_per_sync: float
+    hops_per_sync: int
+    hidden_steps: int = 0
+    fixed_s_per_sync: float = 0.0  # what a sync costs beyond bytes and latency (e.g. hivemind's matchmaking)
+
+
+def wall_clock(work: Workload, link: Link) -> float:
+    """Compute plus the part of every sync's transfer that the overlapped steps do not hide."""
+    transfer = link.seconds(work.bytes_per_sync, work.hops_per_sync) + work.fixed_s_per_sync
+    hidden = work.hidden_steps * work.step_compute_s
+    return work.steps * work.step_compute_s + work.syncs * max(0.0, transfer - hidden)
+
+
 def format_plan(rows: list[PlanRow]) -> str:
     header = (
         f"{'method':<50} {'s/outer step':>12} {'compute s':>10} {'network s':>10} {'wait %':>7} "

@@ -1,6 +1,7 @@
 """The WAN link model and `muloco plan` against hand-computed figures."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from test_helpers import run_muloco_here
@@ -8,6 +9,7 @@ from test_helpers import run_muloco_here
 from muloco.cli import main
 from muloco.net.wan import (
     Link,
+    Workload,
     allgather_seconds,
     allreduce_seconds,
     estimate_step_seconds,
@@ -15,6 +17,7 @@ from muloco.net.wan import (
     parse_count,
     plan,
     reduce_scatter_seconds,
+    wall_clock,
 )
 
 
@@ -28,6 +31,18 @@ def test_link_times_are_bytes_over_bandwidth_plus_hops():
     # reduce-scatter of 5 MB messages and 5 MB means: 3/4 x 10 MB = 60 Mbit -> 0.6 s; 1 direct hop to the
     # owners + 3 ring hops of the all-gather.
     assert reduce_scatter_seconds(link, 5e6, 5e6, 4) == pytest.approx(0.6 + 0.04)
+
+
+def test_a_workloads_wall_clock_is_compute_plus_what_overlap_does_not_hide():
+    link = Link(bandwidth_mbps=100, latency_ms=10, efficiency=1.0)
+    # A sync: 1.25 MB = 10 Mbit -> 0.1 s, 6 hops -> 0.06 s: 0.16 s. 30 steps of 10 ms: 0.3 s.
+    work = Workload(steps=30, step_compute_s=0.01, syncs=2, bytes_per_sync=1.25e6, hops_per_sync=6)
+    assert wall_clock(work, link) == pytest.approx(0.3 + 2 * 0.16)
+    # tau = 10 steps hide 0.1 s of each sync; 16 steps hide all of it.
+    assert wall_clock(replace(work, hidden_steps=10), link) == pytest.approx(0.3 + 2 * 0.06)
+    assert wall_clock(replace(work, hidden_steps=16), link) == pytest.approx(0.3)
+    # What a sync costs beyond bytes and latency (matchmaking) is paid like them.
+    assert wall_clock(replace(work, fixed_s_per_sync=0.04), link) == pytest.approx(0.3 + 2 * 0.2)
 
 
 def test_faster_transport_follows_k_bytes_and_latency():

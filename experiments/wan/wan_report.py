@@ -1,0 +1,152 @@
+"""The WAN headline's table, its planner check and its speed-up plot (bench_wan.py's results -> text, PNG).
+
+A result row (one method over one link) holds what was measured; `measure` derives the table's columns,
+`workload` the run as the planner sees it (muloco.net.wan.Workload), so that `planner_s` projects the
+same run onto the same link and the plot onto any rate.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from muloco.net.wan import Link, Workload, wall_clock
+
+WORKERS = 4
+HOPS = {"all_reduce": 2 * (WORKERS - 1), "all_gather": WORKERS - 1, "reduce_scatter": WORKERS}
+
+
+def hops_per_sync(row: dict) -> int:
+    """Latency rounds of one sync: a ring all-reduce per DDP bucket (PowerSGD: two, its P and Q); the
+    engine's transport for the others (hivemind: its mesh download, one round trip after matchmaking)."""
+    if row["per_step"]:
+        rounds = row.get("allreduces_per_step", 1)
+        return rounds * HOPS["all_reduce"]
+    if row["backend"] == "hivemind":
+        return 2
+    return HOPS.get(row["transport"], HOPS["all_gather"])
+
+
+def workload(row: dict, steps: int, syncs: int, bytes_sent: float) -> Workload:
+    """`row`'s run up to `steps` inner steps with `syncs` syncs that sent `bytes_sent` per worker."""
+    return Workload(
+        steps=steps,
+        step_compute_s=row["step_compute_s"],
+        syncs=syncs,
+        bytes_per_sync=bytes_sent / max(1, syncs),
+        hops_per_sync=hops_per_sync(row),
+        hidden_steps=row.get("overlap", 0),
+    )
+
+
+def to_target_workload(row: dict) -> Workload | None:
+    """The run up to DDP's loss (None: not reached), its syncs and bytes pro rata of the whole run's."""
+    steps = row["steps_to_target"]
+    if steps is None:
+        return None
+    share = steps / row["run_steps"]
+    return workload(row, steps, round(row["run_syncs"] * share), row["run_bytes_per_worker"] * share)
+
+
+def planner_s(row: dict, link: Link) -> float | None:
+    work = to_target_workload(row)
+    return None if work is None else wall_clock(work, link)
+
+
+def speedup_curve(
+    rows: list[dict], rates_mbit: list[float], delay_ms: float
+) -> dict[str, list[float | None]]:
+    """Each row's wall-clock-to-DDP's-loss speed-up over DDP at each rate (the planner, from one link's
+    measured tokens-to-loss, bytes and compute)."""
+    ddp = next(r for r in rows if r["key"] == "ddp")
+    curves = {}
+    for row in rows:
+        curves[row["key"]] = []
+        for rate in rates_mbit:
+            link = Link(rate, delay_ms)
+            mine, theirs = planner_s(row, link), planner_s(ddp, link)
+            curves[row["key"]].append(None if mine is None else theirs / mine)
+    return curves
+
+
+def format_curves(curves: dict, target: float) -> str:
+    """Each row's horizons on loopback: final val loss per horizon, and the one that reaches DDP's."""
+    lines = [f"DDP's final val loss (the target): {target:.4f}", "| row | horizon | final val loss per run |"]
+    lines.append("|---|---|---|")
+    for key, curve in curves.items():
+        finals = ", ".join(f"{r['steps']}: {r['final_val_loss']:.4f}" for r in curve["runs"])
+        horizon = "not reached" if curve["horizon"] is None else f"{curve['horizon']:g}x"
+        lines.append(f"| {key} | {horizon} | {finals} |")
+    return "\n".join(lines)
+
+
+def format_table(results: list[dict]) -> str:
+    header = (
+        f"{'link':>16} {'method':<44} {'to DDP loss s':>13} {'vs DDP':>7} {'planner s':>9} {'steps':>6} "
+        f"{'val@eq tok':>10} {'val@eq s':>9} {'wait %':>6} {'MB/worker':>9} {'wire MB':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        to = "not reached" if r["s_to_target"] is None else f"{r['s_to_target']:.0f}"
+        vs = "-" if r.get("vs_ddp") is None else f"{r['vs_ddp']:.3f}"
+        plan = "-" if r.get("planner_s") is None else f"{r['planner_s']:.0f}"
+        steps = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
+        lines.append(
+            f"{r['link_label']:>16} {r['label'][:44]:<44} {to:>13} {vs:>7} {plan:>9} {steps:>6} "
+            f"{r['val_equal_tokens']:>10.4f} {_f(r.get('val_equal_wall')):>9} "
+            f"{100 * r['wait_fraction']:>5.1f}% {r['bytes_to_target'] / 1e6:>9.1f} "
+            f"{r['wire_to_target'] / 1e6:>8.1f}"
+        )
+    return "\n".join(lines)
+
+
+def format_markdown(results: list[dict]) -> str:
+    lines = [
+        "| link | method | to DDP's loss (s) | vs DDP | planner (s) | inner steps | val loss, equal tokens "
+        "| val loss, DDP's wall-clock | network wait | MB / worker (counted, wire) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        to = "not reached" if r["s_to_target"] is None else f"{r['s_to_target']:.0f}"
+        how = " (window)" if r["per_step"] else ""
+        vs = "-" if r.get("vs_ddp") is None else f"{r['vs_ddp']:.3f}x"
+        plan = "-" if r.get("planner_s") is None else f"{r['planner_s']:.0f}"
+        steps = "-" if r["steps_to_target"] is None else f"{r['steps_to_target']:,}"
+        lines.append(
+            f"| {r['link_label']} | {r['label']} | {to}{how} | {vs} | {plan} | {steps} | "
+            f"{r['val_equal_tokens']:.4f} | {_f(r.get('val_equal_wall'))} | "
+            f"{100 * r['wait_fraction']:.1f}% | "
+            f"{r['bytes_to_target'] / 1e6:.1f}, {r['wire_to_target'] / 1e6:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
+
+
+def plot(curves: dict, rates: list[float], points: list[dict], labels: dict[str, str], path: Path) -> None:
+    """Speed-up over DDP against the link rate: the planner's lines, the measured points on them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for key, ys in curves.items():
+        if key == "ddp" or all(y is None for y in ys):
+            continue
+        line = ax.plot(rates, [math.nan if y is None else y for y in ys], label=labels[key])[0]
+        mine = [p for p in points if p["key"] == key and p.get("vs_ddp")]
+        ax.scatter([p["rate_mbit"] for p in mine], [1 / p["vs_ddp"] for p in mine], color=line.get_color())
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link rate per worker (Mbit/s), one-way latency as measured")
+    ax.set_ylabel("speed-up over DDP: wall-clock to DDP's final loss")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,58 @@
+"""The rows of the WAN headline (bench_wan.py): what each method is, as overrides of the pico regime.
+
+Every row trains the pico regime (configs/pico.yaml: K = 4, H = 15, 2,048 tokens per step) at its own
+tuned inner lr (docs/results.md's pico tables; the DDP hooks' from configs/sweeps/pico_ddp_hooks.yaml) with
+a warmup-stable-decay schedule whose decay fills the last 20% of the row's own horizon (Hägele et al. 2024,
+arXiv:2405.18392), so that a row trained longer than DDP is not held to a schedule chosen for DDP's horizon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FOUR_BIT = (
+    "compression.scheme=statistical",
+    "compression.bits=4",
+    "compression.granularity=row",
+    "compression.error_feedback=true",
+)
+TWO_BIT_RS = (*FOUR_BIT[:1], "compression.bits=2", *FOUR_BIT[2:], "sync.transport=reduce_scatter")
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    label: str
+    overrides: tuple[str, ...]
+    backend: str = "torch"  # torch | hivemind | torchft
+    per_step: bool = False  # a collective every inner step (DDP and its hooks): timed over a window
+    twin: str | None = None  # the torch row with the same math: its loopback curve picks this row's horizon
+    kill_at: float | None = None  # torchft: SIGKILL one worker at this fraction of the run, restart it
+
+    @property
+    def curve_row(self) -> str:
+        return self.twin or self.key
+
+
+DP = ("method=dp", "inner.lr=0.02")  # DP (Muon): 1.3022 at 0.02 (docs/results.md, pico tuning)
+MULOCO = ("inner.lr=0.02",)  # MuLoCo K = 4: 0.02 (ibid.), also with 4-bit and 2-bit (pico compression)
+POWERSGD = ("dp.comm_hook=powersgd", "dp.powersgd_rank=4")
+STREAMING = ("sync.fragments=3", "sync.overlap=2")
+HIVEMIND = (*MULOCO, *FOUR_BIT, "backend.hivemind.target_group_size=4")  # a group starts once all 4 are in
+KILLED = "MuLoCo 4-bit, torchft, a worker killed at 40% and restarted"
+ROWS = {
+    r.key: r
+    for r in [
+        Row("ddp", "DDP fp32", DP, per_step=True),
+        Row("ddp_powersgd", "DDP + PowerSGD r4", (*DP, *POWERSGD), per_step=True),
+        Row("ddp_bf16", "DDP + bf16", (*DP, "dp.comm_hook=bf16"), per_step=True),
+        Row("diloco_fp32", "DiLoCo fp32 (AdamW)", ("inner.optimizer=adamw", "inner.adamw.lr=0.003")),
+        Row("muloco_fp32", "MuLoCo fp32", MULOCO),
+        Row("muloco_4bit", "MuLoCo 4-bit", (*MULOCO, *FOUR_BIT)),
+        Row("muloco_2bit_rs", "MuLoCo 2-bit reduce-scatter", (*MULOCO, *TWO_BIT_RS)),
+        Row("streaming_4bit", "streaming MuLoCo 4-bit P=3 tau=2", (*MULOCO, *FOUR_BIT, *STREAMING)),
+        Row("torchft_4bit", "MuLoCo 4-bit, torchft", (*MULOCO, *FOUR_BIT), "torchft", twin="muloco_4bit"),
+        Row("torchft_4bit_kill", KILLED, (*MULOCO, *FOUR_BIT), "torchft", twin="muloco_4bit", kill_at=0.4),
+        Row("hivemind_4bit", "MuLoCo 4-bit, hivemind", HIVEMIND, "hivemind", twin="muloco_4bit"),
+    ]
+}
