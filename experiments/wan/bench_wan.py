@@ -92,10 +92,9 @@ def main() -> int:
         rows, args.steps, horizons, args.workdir / "curves", args.eval_every, args.reuse_curves
     )
     ddp_curve = curves["ddp"]
-    target = ddp_curve["runs"][0]["summary"]["final_val_loss"]
-    compute_s = (
-        ddp_curve["runs"][0]["summary"]["worker_compute_s"] / ddp_curve["runs"][0]["summary"]["inner_steps"]
-    )
+    ddp_summary = ddp_curve["runs"][0]["summary"]
+    target = ddp_summary["final_val_loss"]
+    compute_s = ddp_summary["worker_compute_s"] / ddp_summary["inner_steps"]
     links = choose_links([float(r) for r in args.ratios.split(",")], compute_s, ddp_curve, args.delay_ms)
     print(
         f"target: DDP's final val loss {target:.4f}; compute {compute_s * 1e3:.1f} ms per DDP step; links: "
@@ -218,7 +217,9 @@ def measure(row: Row, link: dict, curve: dict, run: dict, target: float) -> dict
         # Its compute on loopback: under a hook DDP's all-reduce runs inside the backward pass, so the
         # window's own compute time would include the link's.
         compute = final["summary"]["worker_compute_s"] / final["summary"]["inner_steps"]
-        wire_per_step = run["wire_bytes_per_worker"] / summary["inner_steps"]
+        # On the wire per byte counted, from the link's run (its warm-up steps included; PowerSGD's are
+        # plain all-reduces), applied to the bytes its curve counts to the target.
+        wire_per_counted = run["wire_bytes_per_worker"] / summary["bytes_sent_per_worker"]
         out.update(
             step_s=step_s,
             step_s_spread=run["step_s_spread"],
@@ -234,7 +235,7 @@ def measure(row: Row, link: dict, curve: dict, run: dict, target: float) -> dict
             ratio_measured=(step_s - compute) / compute,
         )
         out["bytes_to_target"] = out["run_bytes_per_worker"] * (steps or out["run_steps"]) / out["run_steps"]
-        out["wire_to_target"] = wire_per_step * (steps or out["run_steps"])
+        out["wire_to_target"] = wire_per_counted * out["bytes_to_target"]
         out["evals"] = [{**e, "clock_s": e["step"] * step_s} for e in final["evals"]]
     else:
         t0 = run["evals"][0]["time_s"]

@@ -33,11 +33,19 @@ class Row:
     def curve_row(self) -> str:
         return self.twin or self.key
 
+    @property
+    def warmup_steps(self) -> int:
+        """Steps a window over a link leaves out of its median: the first ones warm up, and PowerSGD runs
+        plain all-reduces until dp.powersgd_start_step (10, torch's default start_powerSGD_iter)."""
+        return 15 if "dp.comm_hook=powersgd" in self.overrides else 5
+
 
 DP = ("method=dp", "inner.lr=0.02")  # DP (Muon): 1.3022 at 0.02 (docs/results.md, pico tuning)
 MULOCO = ("inner.lr=0.02",)  # MuLoCo K = 4: 0.02 (ibid.), also with 4-bit and 2-bit (pico compression)
 POWERSGD = ("dp.comm_hook=powersgd", "dp.powersgd_rank=4")
-STREAMING = ("sync.fragments=3", "sync.overlap=2")
+# tau = 4 steps (the most H = 15, P = 3 allows): a fragment's all-gather over 20 ms links takes K - 1 = 3 ring
+# hops of a round trip each plus its transfer, ~100 ms, which 2 pico steps (~60 ms) do not cover.
+STREAMING = ("sync.fragments=3", "sync.overlap=4")
 HIVEMIND = (*MULOCO, *FOUR_BIT, "backend.hivemind.target_group_size=4")  # a group starts once all 4 are in
 KILLED = "MuLoCo 4-bit, torchft, a worker killed at 40% and restarted"
 ROWS = {
@@ -50,7 +58,7 @@ ROWS = {
         Row("muloco_fp32", "MuLoCo fp32", MULOCO),
         Row("muloco_4bit", "MuLoCo 4-bit", (*MULOCO, *FOUR_BIT)),
         Row("muloco_2bit_rs", "MuLoCo 2-bit reduce-scatter", (*MULOCO, *TWO_BIT_RS)),
-        Row("streaming_4bit", "streaming MuLoCo 4-bit P=3 tau=2", (*MULOCO, *FOUR_BIT, *STREAMING)),
+        Row("streaming_4bit", "streaming MuLoCo 4-bit P=3 tau=4", (*MULOCO, *FOUR_BIT, *STREAMING)),
         Row("torchft_4bit", "MuLoCo 4-bit, torchft", (*MULOCO, *FOUR_BIT), "torchft", twin="muloco_4bit"),
         Row("torchft_4bit_kill", KILLED, (*MULOCO, *FOUR_BIT), "torchft", twin="muloco_4bit", kill_at=0.4),
         Row("hivemind_4bit", "MuLoCo 4-bit, hivemind", HIVEMIND, "hivemind", twin="muloco_4bit"),

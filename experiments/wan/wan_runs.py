@@ -97,7 +97,7 @@ def on_link(
 ) -> dict:
     """`row` over the testbed: `steps` inner steps (a window of `window` steps for a per-step row, logged
     every step, no evaluations). Its evals, summary, wire bytes and, for a window, its median step time."""
-    length = window or steps
+    length = window + row.warmup_steps if window else steps
     name = f"{row.key}_{length}{'w' if window else ''}_{testbed.rate_mbit:g}mbit_{testbed.delay_ms:g}ms"
     for old in workdir.glob(f"{name}*"):
         shutil.rmtree(old)
@@ -120,7 +120,8 @@ def on_link(
     result["harness_s"] = round(time.perf_counter() - started, 1)
     if window:
         steps_s = [b[1] - a[1] for a, b in zip(result["trains"], result["trains"][1:], strict=False)]
-        result["step_s_median"] = statistics.median(steps_s[5:])  # the first steps warm up
-        result["step_s_spread"] = [min(steps_s[5:]), max(steps_s[5:])]
-        result["window_steps"] = len(steps_s[5:])
+        timed = steps_s[row.warmup_steps - 1 :]  # steps_s[i] is step i + 2's
+        result["step_s_median"] = statistics.median(timed)
+        result["step_s_spread"] = [min(timed), max(timed)]
+        result["window_steps"] = len(timed)
     return result

@@ -287,7 +287,10 @@ class SyncEngine:
                 step + delay,
                 absent=not replicas,
             )
+            # A reducer that exchanges before it returns (torchft, a sync applied at once) waits here.
+            t0 = time.perf_counter()
             pending = self.reducer.start_mean(contribution)
+            self.ledger.comm_wait_s += time.perf_counter() - t0
         if pending.moved_to is not None:
             # This worker was behind the quorum (torchft) and adopted a member's state, replicas and step
             # included: the sync is the quorum's (its fragment, start and apply steps), without this

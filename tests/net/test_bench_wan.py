@@ -1,12 +1,16 @@
 """The WAN headline benchmark's --quick mode, so that the benchmark cannot rot (issue 36)."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from muloco.net.testbed import missing_requirements
 
 ROOT = Path(__file__).resolve().parents[2]
-REASON = missing_requirements()
+REASON = missing_requirements()  # None: root and iproute2, the testbed can run
 sys.path.insert(0, str(ROOT / "experiments/wan"))  # the benchmark's modules import each other by name
 
 
@@ -39,3 +43,37 @@ def test_horizons_are_searched_shortest_longest_then_upwards(monkeypatch):
         "diloco_fp32": (None, 100),  # run over the links at DDP's horizon: its time and loss there
         "ddp_bf16": (1, 100),
     }
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(REASON is not None, reason=f"the testbed: {REASON}")
+# Time (~90 s): DDP's 60-step curve and MuLoCo 4-bit's at 1x and 2x on loopback, then DDP's window and
+# MuLoCo's 120 steps over one 4-host link (ratio 50, 20 ms one way).
+def test_the_quick_benchmark_measures_both_rows_over_one_link(tmp_path):
+    out = tmp_path / "wan.json"
+    cmd = [sys.executable, "experiments/wan/bench_wan.py", "--quick", "--workdir", str(tmp_path / "runs")]
+    done = subprocess.run(
+        [*cmd, "--out", str(out), "--plots", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    (link,) = saved["links"]
+    assert link["ratio"] == 50 and link["delay_ms"] == 20
+    rows = {r["key"]: r for r in saved["rows"]}
+    assert set(rows) == {"ddp", "muloco_4bit"}
+    ddp, muloco = rows["ddp"], rows["muloco_4bit"]
+    # DDP's own final loss is the target: its curve reaches it at its last step, timed from its window.
+    assert ddp["steps_to_target"] == 60 and ddp["window_steps"] == 12
+    assert ddp["s_to_target"] == pytest.approx(ddp["step_s"] * 60)
+    assert (
+        ddp["ratio_measured"] > 5 and 0.5 < ddp["wait_fraction"] < 1
+    )  # the link, not compute, sets its pace
+    assert ddp["vs_ddp"] == 1
+    # MuLoCo's clock is its own run's over the link, and it sends far fewer bytes.
+    assert muloco["evals"] and all(e["clock_s"] >= 0 for e in muloco["evals"])
+    assert muloco["run_bytes_per_worker"] < ddp["run_bytes_per_worker"] / 10
+    assert (tmp_path / "wan_speedup.png").stat().st_size > 0

@@ -1,5 +1,7 @@
 """The reducer protocol's collective implementation (sync/reduce.py) and the engine driving a fake reducer."""
 
+import time
+
 import torch
 
 from muloco.comm import CompletedHandle, LocalBackend, ring_allgather_bytes, ring_allreduce_bytes
@@ -130,3 +132,30 @@ def test_the_engine_speaks_only_the_reducer_protocol():
     assert record.fields["replicas_left_out"] == 0 and engine.ledger.bytes_sent == 7.0
     engine.close()
     assert reducer.calls == [("open", [2, 2]), ("join", False), ("start", 1, 2, 1), ("after", 1), ("close",)]
+
+
+def test_a_reducer_that_exchanges_before_returning_books_the_wait():
+    """torchft's reducer returns a sync applied at once only after its collectives: the time the training
+    loop is blocked there is communication wait (summary.json's comm_wait_s), not compute."""
+
+    class BlockingReducer(RecordingReducer):
+        def start_mean(self, c):
+            time.sleep(0.05)
+            return super().start_mean(c)
+
+    model = torch.nn.Linear(4, 4)
+    replica = Replica(0, model, torch.optim.SGD(model.parameters(), lr=0.1), None, torch.device("cpu"))
+    engine = SyncEngine(
+        model,
+        BlockingReducer(),
+        sync=SyncConfig(every=2),
+        outer=OuterConfig(lr=1.0, momentum=0.0, nesterov=False),
+        compression=None,
+        local_replicas=1,
+        max_bad_syncs=3,
+    )
+    engine.join([replica], resumed=False)
+    engine.trained()
+    engine.finish(engine.start(0, [replica], 2), [replica])
+    assert engine.ledger.comm_wait_s >= 0.05
+    engine.close()
