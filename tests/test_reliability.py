@@ -14,8 +14,10 @@ from test_helpers import hand_inner_steps, params_of
 
 from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
 from muloco.cli import main
+from muloco.comm import CompletedHandle
 from muloco.config import load_config
 from muloco.errors import TrainingError
+from muloco.run.signals import StopRequest
 from muloco.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -384,6 +386,41 @@ def test_dp_skips_non_finite_steps(tiny):
     hook.remove()
     assert summary["status"] == "completed" and trainer.progress.bad_syncs == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class TwoRanks:
+    """A backend of two processes whose other rank sets its flag when told: the all-reduce's sum is
+    known when it starts, but (as over a slow link) read only when waited for; each start is counted."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self):
+        self.other_flag, self.started = 0.0, 0
+
+    def all_reduce_sum(self, tensors):
+        self.started += 1
+        return CompletedHandle([tensors[0] + self.other_flag])
+
+
+def test_ranks_agree_to_stop_a_round_after_a_signal_with_one_collective_per_round():
+    backend = TwoRanks()
+    stop = StopRequest(backend)
+    assert not stop.agreed()  # round 1: nothing started before it
+    backend.other_flag = float(signal.SIGTERM)  # the other rank is told to stop during round 2
+    assert not stop.agreed()  # round 2 reads round 1's flags
+    assert stop.agreed() and stop.signal == signal.SIGTERM  # round 3 reads round 2's: both stop here
+    assert backend.started == 3
+    # After the last round: the pending flags and a blocking look at this round's.
+    backend.other_flag = 0.0
+    assert stop.settle() and backend.started == 4
+
+
+def test_a_signal_during_the_last_round_is_seen_by_settle():
+    backend = TwoRanks()
+    stop = StopRequest(backend)
+    assert not stop.agreed() and not stop.agreed()
+    backend.other_flag = float(signal.SIGINT)
+    assert stop.settle() and stop.signal == signal.SIGTERM
 
 
 def test_a_second_ctrl_c_leaves_at_once_keeping_the_last_checkpoint(tiny):

@@ -7,6 +7,7 @@ overlap them with compute (Streaming DiLoCo); `wait()` blocks until the result i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -36,8 +37,9 @@ class Backend(Protocol):
         """Sum each tensor elementwise over all processes, in place; the handle returns the tensors."""
         ...
 
-    def all_gather_bytes(self, payload: bytes) -> Handle:
-        """Every process contributes a payload; the handle returns the list of all, in rank order."""
+    def all_gather_bytes(self, payload: bytes, capacity: int | None = None) -> Handle:
+        """Every process contributes a payload; the handle returns the list of all, in rank order.
+        capacity: a bound on every process's payload, the same on all (one collective instead of two)."""
         ...
 
     def all_to_all_bytes(self, payloads: list[bytes]) -> Handle:
@@ -76,10 +78,15 @@ def reduce_scatter_bytes(message_bytes: float, mean_bytes: float, workers: int) 
     return (workers - 1) / workers * (message_bytes + mean_bytes)
 
 
-def means_over_processes(backend: Backend, *sums_and_counts: tuple[float, int]) -> list[float]:
-    """Means of per-replica metrics over all K replicas, from each process's (sum, count) pairs. One
-    collective with several processes: every rank calls it at the same point of the round."""
+def means_over_processes(backend: Backend, *sums_and_counts: tuple[float, int]) -> Callable[[], list[float]]:
+    """Means of per-replica metrics over all K replicas, from each process's (sum, count) pairs: one
+    collective with several processes (every rank calls it at the same point of the round), started here;
+    the returned function waits for it, so a log line need not cost the round a round trip."""
     values = torch.tensor([v for pair in sums_and_counts for v in pair], dtype=torch.float64)
-    if backend.world_size > 1:
-        values = backend.all_reduce_sum([values]).wait()[0]
-    return [(values[i] / values[i + 1]).item() for i in range(0, len(values), 2)]
+    handle = backend.all_reduce_sum([values]) if backend.world_size > 1 else CompletedHandle([values])
+
+    def means() -> list[float]:
+        total = handle.wait()[0]
+        return [(total[i] / total[i + 1]).item() for i in range(0, len(total), 2)]
+
+    return means

@@ -14,7 +14,7 @@ class LocalBackend:
     def all_reduce_sum(self, tensors: list[torch.Tensor]) -> CompletedHandle:
         return CompletedHandle(tensors)
 
-    def all_gather_bytes(self, payload: bytes) -> CompletedHandle:
+    def all_gather_bytes(self, payload: bytes, capacity: int | None = None) -> CompletedHandle:
         return CompletedHandle([payload])
 
     def all_to_all_bytes(self, payloads: list[bytes]) -> CompletedHandle:

@@ -11,6 +11,7 @@ import ipaddress
 import logging
 import os
 import socket
+import struct
 from datetime import timedelta
 
 import torch
@@ -65,15 +66,26 @@ class _FlatHandle:
         return self.tensors
 
 
-class _BytesHandle:
-    """Waits on an async all-gather of padded byte buffers, then trims each to its true length."""
+_LENGTH = struct.Struct("<Q")  # a framed payload's length, leading its buffer
 
-    def __init__(self, work, gathered: list[torch.Tensor], lengths: list[int]) -> None:
+
+class _BytesHandle:
+    """Waits on an async all-gather of padded byte buffers, then trims each to its true length (lengths:
+    gathered before; None: each buffer leads with its own, _LENGTH)."""
+
+    def __init__(self, work, gathered: list[torch.Tensor], lengths: list[int] | None) -> None:
         self.work, self.gathered, self.lengths = work, gathered, lengths
 
     def wait(self) -> list[bytes]:
         self.work.wait()
-        return [g[:n].cpu().numpy().tobytes() for g, n in zip(self.gathered, self.lengths, strict=True)]
+        if self.lengths is not None:
+            return [g[:n].cpu().numpy().tobytes() for g, n in zip(self.gathered, self.lengths, strict=True)]
+        out = []
+        for g in self.gathered:
+            blob = g.cpu().numpy().tobytes()
+            (n,) = _LENGTH.unpack_from(blob)
+            out.append(blob[_LENGTH.size : _LENGTH.size + n])
+        return out
 
 
 class TorchDistBackend:
@@ -125,14 +137,30 @@ class TorchDistBackend:
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _FlatHandle(work, flat, tensors)
 
-    def all_gather_bytes(self, payload: bytes) -> _BytesHandle:
-        """Payloads of varying size: gather the sizes (small, blocking), then start the gather of the padded
-        payloads asynchronously; the handle returns them in rank order."""
+    def all_gather_bytes(self, payload: bytes, capacity: int | None = None) -> _BytesHandle:
+        """Payloads of varying size, returned in rank order by the handle. With `capacity` (a bound on
+        every rank's payload, the same on all): one asynchronous all-gather of buffers of that size, each
+        led by its payload's length. Without: the sizes first (small, blocking: a round trip of its own),
+        then the padded payloads asynchronously."""
         mine = (
             torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             if payload
             else torch.zeros(0, dtype=torch.uint8)
         )
+        if capacity is not None:
+            if mine.numel() > capacity:
+                raise RuntimeError(
+                    f"all_gather_bytes: a payload of {mine.numel()} bytes exceeds its bound {capacity}"
+                )
+            framed = torch.zeros(_LENGTH.size + capacity, dtype=torch.uint8)
+            framed[: _LENGTH.size] = torch.frombuffer(
+                bytearray(_LENGTH.pack(mine.numel())), dtype=torch.uint8
+            )
+            framed[_LENGTH.size : _LENGTH.size + mine.numel()] = mine
+            framed = self._on_comm_device(framed)
+            gathered = [torch.zeros_like(framed) for _ in range(self.world_size)]
+            work = dist.all_gather(gathered, framed, group=self.group, async_op=True)
+            return _BytesHandle(work, gathered, None)
         size = self._on_comm_device(torch.tensor([mine.numel()], dtype=torch.int64))
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
         dist.all_gather(sizes, size, group=self.group)

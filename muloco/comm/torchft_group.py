@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import socket
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -38,6 +39,7 @@ for _name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
     logging.getLogger(_name).setLevel(logging.ERROR)  # (its warnings: e.g. no NCCL flight recorder on CPU)
 
 _HEARTBEATING = re.compile(r"\[(\d+) heartbeating\]")
+_LENGTH = struct.Struct("<Q")  # a framed payload's length, leading its buffer
 _QUORUM_ID = re.compile(r"Current quorum_id:\s*(\d+)")
 
 
@@ -186,14 +188,27 @@ class TorchftGroup:
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         return flat
 
-    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        """Every member's payload, in quorum order (the same on every member); [] after a failure."""
+    def all_gather_bytes(self, payload: bytes, capacity: int | None = None) -> list[bytes]:
+        """Every member's payload, in quorum order (the same on every member); [] after a failure. With
+        `capacity` (a bound on every member's payload): one all-gather of buffers of that size, each led
+        by its length; without, the lengths first (a round trip of its own over a slow link)."""
         from torch.distributed.distributed_c10d import AllgatherOptions
 
         if self.manager.errored() is not None:
             return []
         n = self.size
         try:
+            if capacity is not None:
+                if len(payload) > capacity:
+                    raise RuntimeError(f"a payload of {len(payload)} bytes exceeds its bound {capacity}")
+                mine = torch.zeros(_LENGTH.size + capacity, dtype=torch.uint8)
+                mine[: _LENGTH.size + len(payload)] = torch.frombuffer(
+                    bytearray(_LENGTH.pack(len(payload)) + payload), dtype=torch.uint8
+                )
+                blobs = [torch.empty_like(mine) for _ in range(n)]
+                self.pg.allgather([blobs], [mine], AllgatherOptions()).wait()
+                framed = [bytes(b.numpy()) for b in blobs]
+                return [f[_LENGTH.size : _LENGTH.size + _LENGTH.unpack_from(f)[0]] for f in framed]
             length = torch.tensor([len(payload)], dtype=torch.int64)
             lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
             self.pg.allgather([lengths], [length], AllgatherOptions()).wait()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,7 @@ class Trainer:
         self.probe = alignment_probe(cfg, template, self.data.train, self.device) if probing else None
         self.autocast = autocast_factory(cfg.train.precision, self.device)
         self.stop = StopRequest(self.backend)
+        self._pending_records: list[tuple] = []  # _log_later's, written by _write_pending
         shape = (self.micro_batches, self.seqs_per_micro, cfg.train.grad_clip)
         inner_args = (self.progress, self.stop, self._lr_multiplier, shape, self.autocast, self.offload)
         self.inner = InnerSteps(self.replicas, *inner_args, batched=self.batched)
@@ -218,9 +220,7 @@ class Trainer:
                 if done >= next_ckpt and progress.steps < self.total_steps:
                     self.save_checkpoint()
                     next_ckpt = _next_multiple(done, cfg.checkpoint.every)
-            # Agreed once more: a signal that reached some ranks during the last round must not send them
-            # to the checkpoint's collectives while the others evaluate (a sharded model's eval gathers).
-            stopped = self.stop.agreed()
+            stopped = self.stop.settle()
             if self.dp is None and not stopped:  # a swarm's final agreement, before the final eval
                 self.engine.conclude(self.replicas, on_failure=self.save_checkpoint)
             if progress.val_losses[-1][0] != progress.steps and not stopped:
@@ -266,6 +266,7 @@ class Trainer:
                 end, self._lr_multiplier, self.micro_batches, self.seqs_per_micro, t.grad_clip, self.autocast
             )
         progress.steps = end
+        self._write_pending()  # the last round's sync records: their means arrived during the inner steps
         engine.trained()
 
         # 2. Syncs in flight that are due are applied first (at the last step: all of them); then the
@@ -291,15 +292,16 @@ class Trainer:
 
     def _log_sync(self, record: SyncRecord) -> None:
         sums = record.sums
-        loss, norm = means_over_processes(self.backend, sums["loss_sum_count"], sums["norm_sum_count"])
-        self._log("sync", record.step, train_loss=loss, pseudograd_norm=norm, **record.fields)
+        means = means_over_processes(self.backend, sums["loss_sum_count"], sums["norm_sum_count"])
+        self._log_later("sync", record.step, means, ("train_loss", "pseudograd_norm"), record.fields)
 
     def _dp_step(self) -> None:
         progress, t = self.progress, self.cfg.train
         loss_sum_count = self.dp.step(self._lr_multiplier(progress.steps), self.autocast)
         if progress.steps % t.log_every == 0 or progress.steps == self.total_steps:
-            (train_loss,) = means_over_processes(self.backend, loss_sum_count)
-            self._log("train", train_loss=train_loss)
+            self._write_pending()  # the previous log line's means: log_every steps ago, long there
+            means = means_over_processes(self.backend, loss_sum_count)
+            self._log_later("train", progress.steps, means, ("train_loss",), {})
 
     # -- helpers of the loop --------------------------------------------------------------------------
     def _lr_multiplier(self, step: int) -> float:
@@ -321,10 +323,27 @@ class Trainer:
         return self.elapsed_at_start + time.perf_counter() - self.started
 
     def _log(self, kind: str, step: int | None = None, **values: Any) -> None:
-        """One metrics.jsonl record at `step` (default: now)."""
+        """One metrics.jsonl record at `step` (default: now), after the records still waiting."""
+        self._write_pending()
         steps = self.progress.steps if step is None else step
-        timing = (self.cfg.train.batch_tokens, self.total_steps, self._elapsed(), self.ledger.bytes_sent)
-        self.metrics.log(timed_record(kind, steps, *timing, **values))
+        self.metrics.log(timed_record(kind, steps, *self._timing(), **values))
+
+    def _log_later(
+        self, kind: str, step: int, means: Callable[[], list[float]], names: tuple[str, ...], fields: dict
+    ) -> None:
+        """A record whose means over the processes are still on their way (means_over_processes), timed
+        now and written by `_write_pending` after the next inner steps (or before the next record or
+        checkpoint): over a slow link its all-reduce would otherwise cost every sync a round trip."""
+        self._pending_records.append((kind, step, self._timing(), means, names, fields))
+
+    def _write_pending(self) -> None:
+        for kind, step, timing, means, names, fields in self._pending_records:
+            values = dict(zip(names, means(), strict=True))
+            self.metrics.log(timed_record(kind, step, *timing, **values, **fields))
+        self._pending_records = []
+
+    def _timing(self) -> tuple:
+        return self.cfg.train.batch_tokens, self.total_steps, self._elapsed(), self.ledger.bytes_sent
 
     def _log_start(self) -> None:
         cfg = self.cfg
@@ -349,6 +368,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Every component's state under its name, written atomically (checkpoint.py)."""
+        self._write_pending()  # a resumed run starts its metrics after the checkpoint's step
         self.progress.elapsed_s = self._elapsed()
         state = {"fingerprint": self.cfg.fingerprint(), "local_indices": self.local_indices}
         if self.init_source is not None:

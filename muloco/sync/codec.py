@@ -10,6 +10,7 @@ Message layout (little-endian): u32 count, count x u64 lengths, then the payload
 from __future__ import annotations
 
 import logging
+import math
 import re
 import struct
 
@@ -153,6 +154,12 @@ class PseudogradientCodec:
         if total is None:
             return aggregate(decoded, rule, trim), seen
         return [t.div_(seen) for t in total], seen
+
+    def packed_bound(self, shapes: list[torch.Size], messages: int) -> int:
+        """Bytes `pack` of up to `messages` of this codec's messages can take (payload_nbytes is exact, an
+        upper bound for topk): the same on every process, so an all-gather can pad to it without first
+        gathering the sizes (a round trip of its own over a slow link)."""
+        return _COUNT.size + messages * (_LEN.size + math.ceil(self.payload_bits(shapes) / 8))
 
     def payload_bits(self, shapes: list[torch.Size]) -> float:
         """Bits one replica's message takes (payloads and the message header)."""

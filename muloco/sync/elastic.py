@@ -327,7 +327,8 @@ class ElasticReducer:
     def _mean_compressed(self, c: Contribution, healed: bool) -> Mean:
         """All-gather the members' messages (behind a healed flag); every member decodes all of them in
         quorum order."""
-        blobs = self.group.all_gather_bytes(bytes([healed]) + pack([] if healed else c.messages))
+        capacity = 1 + c.codec.packed_bound([t.shape for t in c.like], 1)  # a worker's one message
+        blobs = self.group.all_gather_bytes(bytes([healed]) + pack([] if healed else c.messages), capacity)
         values, seen = None, 0
         if blobs:  # none after a failed collective: the commit vote fails and the sync is retried
             messages = [blob[1:] for blob in blobs]

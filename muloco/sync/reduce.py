@@ -244,7 +244,9 @@ def _start_mean_uncompressed(
 def _start_mean_compressed(backend: Backend, c: Contribution, max_replicas: int) -> PendingMean:
     """Compressed (or a robust sync.aggregate): all-gather every process's messages (one per healthy
     replica); every process decodes all of them in replica order and combines them (aggregate.py)."""
-    handle = backend.all_gather_bytes(pack(c.messages))
+    per_process = max_replicas // backend.world_size  # at most this many healthy replicas each
+    capacity = c.codec.packed_bound([t.shape for t in c.like], per_process)
+    handle = backend.all_gather_bytes(pack(c.messages), capacity=capacity)
 
     def finish(blobs: list[bytes]) -> Mean:
         values, seen = c.codec.decode_mean(blobs, max_replicas, c.like, c.aggregate, c.trim)

@@ -47,7 +47,8 @@ class FakeGroup:
         others = self.current["others"]
         return flat.add_(others) if others is not None else flat.fill_(float("nan"))
 
-    def all_gather_bytes(self, payload):
+    def all_gather_bytes(self, payload, capacity=None):
+        assert capacity is None or len(payload) <= capacity
         self.sent.append(payload)
         return [payload, *self.current["others"]]
 
