@@ -64,8 +64,18 @@ def run_case(testbed: Testbed, tree: Path, case: str, out: Path) -> dict:
         "checkpoint.resume=never",
         "logging.progress=off",
     ]
-    os.environ["PYTHONPATH"] = str(tree)  # the training processes import this revision's muloco
-    run = train_on_testbed(testbed, str(tree / "configs/pico.yaml"), args, out / "logs", "torch", 900)
+    # The training processes import this revision's muloco: first on PYTHONPATH, and their working
+    # directory (`python -m` puts it before PYTHONPATH on sys.path).
+    os.environ["PYTHONPATH"] = str(tree)
+    here = os.getcwd()
+    os.chdir(tree)
+    try:
+        imported = testbed.run(0, [sys.executable, "-c", "import muloco; print(muloco.__file__)"]).strip()
+        if not imported.startswith(str(tree)):
+            raise RuntimeError(f"{tree.name}: the hosts import muloco from {imported}, not {tree}")
+        run = train_on_testbed(testbed, str(tree / "configs/pico.yaml"), args, out / "logs", "torch", 900)
+    finally:
+        os.chdir(here)
     if not run.ok:
         raise RuntimeError(f"{case} at {tree.name} failed (exit codes {run.returncodes}); see {run.logs}")
     summary = json.loads((out / name / "summary.json").read_text())

@@ -56,7 +56,8 @@ def run(tree: Path, overrides: list[str], out: Path) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     cmd = [sys.executable, "-m", "muloco", "train", str(tree / "configs/quickstart.yaml"), *BASE, *overrides]
     cmd += [f"run.output_dir={out}", "run.name=bench", "checkpoint.resume=never"]
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=900)
+    # cwd: `python -m` puts the working directory before PYTHONPATH on sys.path.
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=900, cwd=tree)
     return json.loads((out / "bench" / "summary.json").read_text())["train_tokens_per_s"]
 
 

@@ -55,10 +55,11 @@ class StopRequest:
         return self.signal is not None and self.backend.world_size == 1
 
     def agreed(self) -> bool:
-        """Whether any rank got SIGINT/SIGTERM. With several processes every rank calls this once per round:
-        the ranks' flags are summed by a collective started here and read at the next call, a round later,
-        so all ranks stop after the same round and no round waits on a round trip of its own (over a 20 ms
-        link one all-reduce of 4 ranks is ~6 x 20 ms, as long as a pico round's compute)."""
+        """Whether any rank got SIGINT/SIGTERM. With several processes every rank calls this at the same
+        rounds (the trainer's `_agreement_due`): the ranks' flags are summed by a collective started here
+        and read at the next call, so all ranks stop after the same round and no round waits on a round
+        trip of its own (over a 20 ms link a 4-rank all-reduce of one float takes ~85 ms, more than a
+        pico round's compute)."""
         if self.backend.world_size == 1:
             return self.signal is not None
         previous, self._pending = self._pending, self.backend.all_reduce_sum([self._flag()])

@@ -209,7 +209,7 @@ class Trainer:
                 self.evaluate()
             next_eval = _next_multiple(progress.steps, cfg.train.eval_every)
             next_ckpt = _next_multiple(progress.outer_steps, cfg.checkpoint.every)
-            while progress.steps < self.total_steps and not self.stop.agreed():
+            while progress.steps < self.total_steps and not (self._agreement_due() and self.stop.agreed()):
                 t0 = time.perf_counter()
                 self.run_round()
                 self.train_time += time.perf_counter() - t0
@@ -242,6 +242,15 @@ class Trainer:
             if wandb_run is not None:
                 finish_wandb(wandb_run, summary)
         return summary
+
+    def _agreement_due(self) -> bool:
+        """Whether the ranks agree on stopping after this round: once per H inner steps (DiLoCo: plain
+        DiLoCo's every round, streaming's every 2P-th), once per log line (dp), every round in a single
+        process (no collective). Every rank answers the same: a signal stops the run within two periods."""
+        if self.backend.world_size == 1:
+            return True
+        period = self.cfg.train.log_every if self.dp is not None else self.cfg.sync.every
+        return self.progress.steps % period == 0
 
     def run_round(self) -> None:
         """dp: one step. DiLoCo: inner steps up to the next sync event, then the syncs due at that step.
