@@ -50,17 +50,21 @@ def overrides(K: int, compression: str, fragments: str, tmp_path: Path) -> list[
     ]
 
 
-def expected_transport(backend: str, K: int, compression: str) -> str:
+def expected_transport(backend: str, K: int, compression: str, fragments: str) -> str:
     if compression == "fp32":
         return "all_reduce"
     carries_scatter = backend in ("local", "torch")  # a fixed set of workers (Reducer.transports)
-    return "reduce_scatter" if carries_scatter and K >= 3 else "all_gather"
+    overlapped = fragments == "streaming"  # tau > 0: auto takes all_gather, all of it under the compute
+    return "reduce_scatter" if carries_scatter and K >= 3 and not overlapped else "all_gather"
 
 
-def check_summary(run_dir: Path, backend: str, K: int, compression: str, fragments: str) -> dict:
+def check_summary(
+    run_dir: Path, backend: str, K: int, compression: str, fragments: str, transport: str | None = None
+) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed", (run_dir.name, summary["status"])
-    assert summary["transport"] == expected_transport(backend, K, compression), run_dir.name
+    expected = transport or expected_transport(backend, K, compression, fragments)
+    assert summary["transport"] == expected, run_dir.name
     assert summary["inner_steps"] == STEPS and summary["fragment_syncs"] >= 3, run_dir.name
     assert summary["bytes_sent_per_worker"] > 0
     assert torch.isfinite(torch.tensor(summary["final_val_loss"]))
@@ -142,7 +146,8 @@ def test_every_backend_at_the_defaults(tmp_path, backend, K):
         results = [
             json.loads((tmp_path / "rendezvous" / f"{name}.rank{r}.json").read_text()) for r in range(K)
         ]
-        compressed_transport = "reduce_scatter" if backend == "torch" and K >= 3 else "all_gather"
+        fragments = "streaming" if api["streaming"].get("overlap") else "whole"
+        compressed_transport = expected_transport(backend, K, "stat4", fragments)
         assert all(r["transport"] == compressed_transport for r in results), results
         assert all(r["outer_steps"] >= 3 for r in results), results
         if backend == "torch":  # collectives: every rank decodes the same bytes in the same order
@@ -156,15 +161,18 @@ def test_every_backend_at_the_defaults(tmp_path, backend, K):
     ids=["torch-K3xR2", "torchft-K2xR2"],
 )
 def test_workers_of_two_ranks_at_the_defaults(tmp_path, backend, nproc, K):
-    """4-bit streaming with workers of two ranks; on torch at K = 3 auto picks reduce_scatter between the
-    workers' lead ranks."""
+    """4-bit streaming with workers of two ranks; on torch at K = 3 with reduce_scatter between the
+    workers' lead ranks (asked for: auto takes all_gather when the sync overlaps compute)."""
     pytest.importorskip(backend)
     args = [*overrides(K, "stat4", "streaming", tmp_path), "ranks_per_worker=2", "run.name=r2"]
+    transport = "reduce_scatter" if backend == "torch" else None
+    if transport:
+        args.append(f"sync.transport={transport}")
     args.append("train.micro_batch_tokens=32")  # a micro-batch per rank of the worker
     result = run_muloco("launch", "--nproc", nproc, "--backend", backend, QS, *args, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     for run_dir in combo_run_dirs(backend, "r2", tmp_path, K):
-        check_summary(run_dir, backend, K, "stat4", "streaming")
+        check_summary(run_dir, backend, K, "stat4", "streaming", transport)
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ and reports the median train time per inner step, its spread (min-max) and the r
 share of the train time spent waiting on communication (summary.json's comm_wait_s).
 
     python experiments/benchmarks/bench_control_plane.py --old ae6fc48 --new HEAD --repeats 3
+    python experiments/benchmarks/bench_control_plane.py --probe-only --out .../control_plane_probe.json
 
 Needs root and iproute2 (the testbed). Prints a table and writes JSON (--out).
 """
@@ -40,6 +41,58 @@ CASES = {
     "DDP fp32": (["method=dp", "inner.lr=0.02", "train.log_every=1"], 30, True),
 }
 WARMUP = 5  # a per-step case's first steps, left out of its median
+# One rank of the collectives' probe: each op 12 times after a barrier and a pause (a sync comes after a
+# round of compute, its connections idle), the median of the last 10, printed by rank 0.
+PROBE = """
+import json, statistics, sys, time, torch, torch.distributed as dist
+rank, world, master, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world)
+ops = {"all_reduce 1 float": lambda: dist.all_reduce(torch.zeros(1))}
+for n in (8, 30_000, 100_000):
+    x = torch.zeros(n, dtype=torch.uint8)
+    ops[f"all_gather {n:,} B"] = lambda x=x: dist.all_gather([torch.empty_like(x) for _ in range(world)], x)
+out = {}
+for name, op in ops.items():
+    times = []
+    for _ in range(12):
+        dist.barrier()
+        time.sleep(0.2)
+        t = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t)
+    out[name] = statistics.median(times[2:])
+if rank == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def probe_collectives(testbed: Testbed) -> dict:
+    """Median seconds of a small all-reduce and all-gathers of a few sizes over the testbed's links."""
+    port = "29561"
+    procs = []
+    for host in testbed.hosts:
+        cmd = [
+            sys.executable,
+            "-c",
+            PROBE,
+            str(host.index),
+            str(len(testbed.hosts)),
+            testbed.hosts[0].address,
+            port,
+        ]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": host.interface}
+        procs.append(
+            testbed.popen(
+                host.index, cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+            )
+        )
+    try:
+        return json.loads(procs[0].communicate(timeout=300)[0].strip().splitlines()[-1])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def worktree(rev: str, where: Path) -> Path:
@@ -125,12 +178,24 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rate-mbit", type=float, default=7.4, help="bench_wan.py --quick's ratio-50 link")
     ap.add_argument("--delay-ms", type=float, default=20.0)
+    ap.add_argument("--probe-only", action="store_true", help="time the collectives, no training runs")
     ap.add_argument("--out", type=Path, default=ROOT / "experiments/benchmarks/results/control_plane.json")
     args = ap.parse_args()
     reason = missing_requirements()
     if reason:
         print(f"bench_control_plane: cannot run: {reason}", file=sys.stderr)
         return 2
+    if args.probe_only:
+        with Testbed(4, args.rate_mbit, args.delay_ms) as testbed:
+            probe = probe_collectives(testbed)
+        print(f"link {args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one way, 4 hosts (gloo, median of 10)")
+        for name, seconds in probe.items():
+            print(f"  {name:24} {seconds * 1e3:6.0f} ms")
+        saved = {"command": " ".join(sys.argv), "rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**saved, "collectives_s": probe}, indent=1))
+        print(f"wrote {args.out}")
+        return 0
     revs = {"old": args.old, "new": args.new}
     shas = {
         k: subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", r], text=True).strip()

@@ -377,8 +377,10 @@ class SyncConfig(Section):
         description="How compressed pseudogradients travel: all_gather (every worker sends its whole "
         "message to every other: (K-1) x message per worker) or reduce_scatter (part j to its owner, "
         "which averages and re-quantizes it, then an all-gather of the K means: 2 (K-1)/K x message); auto "
-        "picks the faster on backend.local.bandwidth_mbps's link, else the one sending fewer bytes "
-        "(all_gather at K <= 2 and on hivemind). fp32 syncs are a ring all-reduce either way.",
+        "picks all_gather when the sync overlaps compute (sync.overlap > 0: reduce_scatter's second "
+        "collective waits for the sync's apply step), else the faster on backend.local.bandwidth_mbps's "
+        "link, else the one sending fewer bytes (all_gather at K <= 2 and on hivemind). fp32 syncs are a "
+        "ring all-reduce either way.",
     )
     aggregate: Literal["mean", "trimmed_mean", "median", "centered_clip"] = Field(
         "mean",

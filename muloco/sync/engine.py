@@ -165,7 +165,10 @@ class SyncEngine:
         link = wan.link if wan is not None else None
         # A reducer that does not declare its transports (a user's own, via the Python API) gets all_gather.
         supported = getattr(reducer, "transports", ("all_gather",))
-        transport = choose_transport(sync.transport, workers, True, link, message, mean, supported)
+        overlapped = sync.overlap > 0
+        transport = choose_transport(
+            sync.transport, workers, True, link, message, mean, supported, overlapped
+        )
         if transport == "reduce_scatter" and self.shard_group is not None:
             transport = "all_gather"  # its part owners' buffers are per rank, not resharded (config.py)
         if transport == "reduce_scatter":

@@ -19,6 +19,9 @@ BIG = 5e6  # bytes of a message and of an owners' mean: reduce_scatter sends few
 
 def test_auto_picks_only_among_the_reducers_transports():
     assert choose_transport("auto", 3, True, None, BIG, BIG) == "reduce_scatter"
+    # Overlapped with the inner steps (streaming tau > 0): one collective, all of it under the compute.
+    assert choose_transport("auto", 3, True, None, BIG, BIG, overlapped=True) == "all_gather"
+    assert choose_transport("reduce_scatter", 3, True, None, BIG, BIG, overlapped=True) == "reduce_scatter"
     assert choose_transport("auto", 3, True, None, BIG, BIG, ("all_gather",)) == "all_gather"
     assert choose_transport("auto", 8, True, None, BIG, BIG, ("all_gather",)) == "all_gather"
     assert choose_transport("auto", 3, False, None, BIG, BIG, ("all_gather",)) == "all_reduce"
