@@ -173,7 +173,7 @@ def format_table(rows: list[dict], shas: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--old", required=True)
+    ap.add_argument("--old", help="the revision to compare against (needed unless --probe-only)")
     ap.add_argument("--new", default="HEAD")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rate-mbit", type=float, default=7.4, help="bench_wan.py --quick's ratio-50 link")
@@ -196,6 +196,9 @@ def main() -> int:
         args.out.write_text(json.dumps({**saved, "collectives_s": probe}, indent=1))
         print(f"wrote {args.out}")
         return 0
+    if not args.old:
+        print("bench_control_plane: --old REV is needed (or --probe-only)", file=sys.stderr)
+        return 2
     revs = {"old": args.old, "new": args.new}
     shas = {
         k: subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", r], text=True).strip()
