@@ -144,8 +144,11 @@ def plan(
     scattered = reduce_scatter_bytes(packed, packed, K)
     rows.append(PlanRow(f"MuLoCo {bits}-bit H={H} reduce-scatter", scattered, scattered, compute, sync, sync))
 
-    # Streaming: the transport sync.transport: auto picks on this link.
-    transport = faster_transport(link, packed / fragments, packed / fragments, K)
+    # Streaming: the transport sync.transport: auto picks (all_gather when the sync overlaps compute).
+    overlapped = overlap > 0
+    transport = (
+        "all_gather" if overlapped else faster_transport(link, packed / fragments, packed / fragments, K)
+    )
     per_fragment = sync_seconds(link, packed / fragments, K, transport)
     best = (transport.replace("_", "-"), gathered if transport == "all_gather" else scattered)
     hidden = overlap * step_seconds

@@ -68,12 +68,12 @@ def test_plan_rows_by_hand():
     assert gather.network_s == pytest.approx(8 * 3 * 5e6 / 100e6)  # all-gather of 3 x 5 MB
     assert scatter.network_s == pytest.approx(8 * 0.75 * 10e6 / 100e6)  # 3/4 x (5 MB + 5 MB of means)
     assert gather.bytes_per_outer_step / scatter.bytes_per_outer_step == pytest.approx(2.0)
-    # Streaming takes reduce-scatter (fewer bytes at K = 4): 3 transfers of 1/3 each (0.2 s), each hidden
-    # behind 2 x 0.1 s of compute.
-    assert "reduce-scatter" in streaming.method
-    assert streaming.network_s == pytest.approx(scatter.network_s)
-    assert streaming.wait_s == pytest.approx(0.0)
-    assert streaming.peak_bytes_per_sync == pytest.approx(scatter.peak_bytes_per_sync / 3)
+    # Streaming (tau > 0) takes the all-gather, whose one collective overlaps compute (reduce-scatter's
+    # second waits for the apply step): 3 transfers of 1/3 each (0.4 s), 2 x 0.1 s of each hidden.
+    assert "all-gather" in streaming.method
+    assert streaming.network_s == pytest.approx(gather.network_s)
+    assert streaming.wait_s == pytest.approx(3 * (0.4 - 0.2))
+    assert streaming.peak_bytes_per_sync == pytest.approx(gather.peak_bytes_per_sync / 3)
     assert all(r.compute_s == pytest.approx(3.0) for r in rows)
     assert ddp.wait_fraction > diloco.wait_fraction > gather.wait_fraction > scatter.wait_fraction
 
@@ -89,7 +89,7 @@ def test_plan_command_prints_every_method_per_bandwidth(capsys):
     assert main(["plan", "--params", "150M", "--step-time-s", "0.5", "--bandwidth-mbps", "100", "1000"]) == 0
     out = capsys.readouterr().out
     assert out.count("DDP (fp32 every step)") == 2 and "streaming MuLoCo 4-bit P=3 tau=2" in out
-    assert out.count("all-gather") == 2 and out.count("H=30 reduce-scatter") == 2
+    assert out.count("all-gather") == 4 and out.count("H=30 reduce-scatter") == 2  # streaming's too
     assert main(["plan", "--params", "nano", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [len(b["rows"]) for b in data] == [5, 5]
