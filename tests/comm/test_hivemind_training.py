@@ -65,7 +65,13 @@ def test_three_peers_average_every_sync_and_stay_equal(tmp_path, TINY, compressi
     peers = [tmp_path / f"swarm-peer{i}" for i in range(3)]
     for run_dir in peers:
         records = sync_records(run_dir)  # 16 steps: syncs at 3, 6, ..., 15 and 16
-        assert len(records) == 6 and all(r["group_size"] == 3 for r in records)
+        # Under load a member's own averaging can fail after the others' succeeded (CI: a peer's sync at 12
+        # met the others' group at 15, its contribution excluded as other_step); it then adopts the swarm's
+        # state, moving to the others' step (no outer step of its own: outer_update_norm null), and the
+        # sync it skipped has no record. Every sync still a group of all three, and all end equal (below).
+        caught_up = [r for r in records if r["outer_update_norm"] is None]
+        assert len(records) + len(caught_up) == 6 and records[-1]["step"] == 16, records
+        assert all(r["group_size"] == 3 for r in records)
         assert all(r["replicas_left_out"] == 0 for r in records)
     # Every peer decodes the same bytes in the same order; a contribution a member could not download
     # (under heavy load) is realigned at the next sync, or by the final agreement after the last one.
