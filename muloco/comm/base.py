@@ -7,6 +7,7 @@ overlap them with compute (Streaming DiLoCo); `wait()` blocks until the result i
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -76,6 +77,25 @@ def reduce_scatter_bytes(message_bytes: float, mean_bytes: float, workers: int) 
     message to their owners, then its share of the ring all-gather of the K owners' means:
     (K-1)/K x (message + mean). Constant in K, like the ring all-reduce."""
     return (workers - 1) / workers * (message_bytes + mean_bytes)
+
+
+_LENGTH = struct.Struct("<Q")  # a framed payload's length, leading its buffer
+
+
+def frame(payload: bytes, capacity: int) -> bytes:
+    """`payload` led by its length and padded to `capacity` (+ 8 bytes): every rank's buffer the same size,
+    so a bounded all-gather needs no size exchange first."""
+    if len(payload) > capacity:
+        raise RuntimeError(
+            f"all_gather_bytes: a payload of {len(payload)} bytes exceeds its bound {capacity}"
+        )
+    return _LENGTH.pack(len(payload)) + payload + bytes(capacity - len(payload))
+
+
+def unframe(buffer: bytes) -> bytes:
+    """The payload `frame` put in `buffer`."""
+    (n,) = _LENGTH.unpack_from(buffer)
+    return buffer[_LENGTH.size : _LENGTH.size + n]
 
 
 def means_over_processes(backend: Backend, *sums_and_counts: tuple[float, int]) -> Callable[[], list[float]]:

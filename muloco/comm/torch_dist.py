@@ -11,14 +11,13 @@ import ipaddress
 import logging
 import os
 import socket
-import struct
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from muloco.comm.base import CompletedHandle
+from muloco.comm.base import CompletedHandle, frame, unframe
 from muloco.errors import UserError
 
 log = logging.getLogger("muloco")
@@ -66,12 +65,9 @@ class _FlatHandle:
         return self.tensors
 
 
-_LENGTH = struct.Struct("<Q")  # a framed payload's length, leading its buffer
-
-
 class _BytesHandle:
     """Waits on an async all-gather of padded byte buffers, then trims each to its true length (lengths:
-    gathered before; None: each buffer leads with its own, _LENGTH)."""
+    gathered before; None: each buffer is `frame`d)."""
 
     def __init__(self, work, gathered: list[torch.Tensor], lengths: list[int] | None) -> None:
         self.work, self.gathered, self.lengths = work, gathered, lengths
@@ -80,12 +76,7 @@ class _BytesHandle:
         self.work.wait()
         if self.lengths is not None:
             return [g[:n].cpu().numpy().tobytes() for g, n in zip(self.gathered, self.lengths, strict=True)]
-        out = []
-        for g in self.gathered:
-            blob = g.cpu().numpy().tobytes()
-            (n,) = _LENGTH.unpack_from(blob)
-            out.append(blob[_LENGTH.size : _LENGTH.size + n])
-        return out
+        return [unframe(g.cpu().numpy().tobytes()) for g in self.gathered]
 
 
 class TorchDistBackend:
@@ -148,15 +139,7 @@ class TorchDistBackend:
             else torch.zeros(0, dtype=torch.uint8)
         )
         if capacity is not None:
-            if mine.numel() > capacity:
-                raise RuntimeError(
-                    f"all_gather_bytes: a payload of {mine.numel()} bytes exceeds its bound {capacity}"
-                )
-            framed = torch.zeros(_LENGTH.size + capacity, dtype=torch.uint8)
-            framed[: _LENGTH.size] = torch.frombuffer(
-                bytearray(_LENGTH.pack(mine.numel())), dtype=torch.uint8
-            )
-            framed[_LENGTH.size : _LENGTH.size + mine.numel()] = mine
+            framed = torch.frombuffer(bytearray(frame(payload, capacity)), dtype=torch.uint8)
             framed = self._on_comm_device(framed)
             gathered = [torch.zeros_like(framed) for _ in range(self.world_size)]
             work = dist.all_gather(gathered, framed, group=self.group, async_op=True)

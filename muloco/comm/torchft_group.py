@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import socket
-import struct
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from muloco.comm.base import frame, unframe
 from muloco.config import TorchftBackendConfig
 from muloco.errors import UserError, one_line
 
@@ -39,7 +39,6 @@ for _name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
     logging.getLogger(_name).setLevel(logging.ERROR)  # (its warnings: e.g. no NCCL flight recorder on CPU)
 
 _HEARTBEATING = re.compile(r"\[(\d+) heartbeating\]")
-_LENGTH = struct.Struct("<Q")  # a framed payload's length, leading its buffer
 _QUORUM_ID = re.compile(r"Current quorum_id:\s*(\d+)")
 
 
@@ -199,16 +198,10 @@ class TorchftGroup:
         n = self.size
         try:
             if capacity is not None:
-                if len(payload) > capacity:
-                    raise RuntimeError(f"a payload of {len(payload)} bytes exceeds its bound {capacity}")
-                mine = torch.zeros(_LENGTH.size + capacity, dtype=torch.uint8)
-                mine[: _LENGTH.size + len(payload)] = torch.frombuffer(
-                    bytearray(_LENGTH.pack(len(payload)) + payload), dtype=torch.uint8
-                )
+                mine = torch.frombuffer(bytearray(frame(payload, capacity)), dtype=torch.uint8)
                 blobs = [torch.empty_like(mine) for _ in range(n)]
                 self.pg.allgather([blobs], [mine], AllgatherOptions()).wait()
-                framed = [bytes(b.numpy()) for b in blobs]
-                return [f[_LENGTH.size : _LENGTH.size + _LENGTH.unpack_from(f)[0]] for f in framed]
+                return [unframe(bytes(b.numpy())) for b in blobs]
             length = torch.tensor([len(payload)], dtype=torch.int64)
             lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
             self.pg.allgather([lengths], [length], AllgatherOptions()).wait()

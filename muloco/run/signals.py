@@ -34,7 +34,8 @@ class StopRequest:
             if self.signal is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             self.signal = signum
-            when = "the current inner step" if self.backend.world_size == 1 else "the next round"
+            # Several processes: within two agreement periods (2 x sync.every steps; dp: 2 x log_every).
+            when = "the current inner step" if self.backend.world_size == 1 else "the ranks' next agreement"
             log.warning(
                 "signal=%s received: stopping after %s, writing a checkpoint (Ctrl+C again: exit at once)",
                 signal.Signals(signum).name,
