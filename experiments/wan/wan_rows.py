@@ -40,8 +40,11 @@ class Row:
         return 15 if "dp.comm_hook=powersgd" in self.overrides else 5
 
 
-DP = ("method=dp", "inner.lr=0.02")  # DP (Muon): 1.3022 at 0.02 (docs/results.md, pico tuning)
-MULOCO = ("inner.lr=0.02",)  # MuLoCo K = 4: 0.02 (ibid.), also with 4-bit and 2-bit (pico compression)
+# Under this schedule (configs/sweeps/wan_tune.yaml, one seed): DP (Muon) 1.2836 at 0.01 (0.005: 1.3312,
+# 0.02: 1.2985); MuLoCo K = 4 1.3468 at 0.01 (0.005: 1.3652, 0.02: 1.3507), also used with 4-bit and 2-bit.
+DP = ("method=dp", "inner.lr=0.01")
+MULOCO = ("inner.lr=0.01",)
+DP_HOOKED = ("method=dp", "inner.lr=0.02")  # bf16 and PowerSGD r4: 0.02 (pico_ddp_hooks.yaml, cosine)
 POWERSGD = ("dp.comm_hook=powersgd", "dp.powersgd_rank=4")
 # tau = 4 steps (the most H = 15, P = 3 allows): a fragment's all-gather over 20 ms links takes K - 1 = 3 ring
 # hops of a round trip each plus its transfer, ~100 ms, which 2 pico steps (~60 ms) do not cover.
@@ -52,8 +55,9 @@ ROWS = {
     r.key: r
     for r in [
         Row("ddp", "DDP fp32", DP, per_step=True),
-        Row("ddp_powersgd", "DDP + PowerSGD r4", (*DP, *POWERSGD), per_step=True),
-        Row("ddp_bf16", "DDP + bf16", (*DP, "dp.comm_hook=bf16"), per_step=True),
+        Row("ddp_powersgd", "DDP + PowerSGD r4", (*DP_HOOKED, *POWERSGD), per_step=True),
+        Row("ddp_bf16", "DDP + bf16", (*DP_HOOKED, "dp.comm_hook=bf16"), per_step=True),
+        # DiLoCo (AdamW) K = 4: 1.5499 at 0.003 (0.0015: 1.6086, 0.006: 1.7096; wan_tune.yaml).
         Row("diloco_fp32", "DiLoCo fp32 (AdamW)", ("inner.optimizer=adamw", "inner.adamw.lr=0.003")),
         Row("muloco_fp32", "MuLoCo fp32", MULOCO),
         Row("muloco_4bit", "MuLoCo 4-bit", (*MULOCO, *FOUR_BIT)),

@@ -198,6 +198,8 @@ class SwarmReducer:
             # Each member uploads its payload to every other member of the group (a mesh all-gather).
             sent = (result.group_size - 1) * c.payload_bytes
             details = {"group_size": result.group_size, "state_digest": digest.hex()}
+            if result.behind_group:
+                details["behind_group"] = True
             reference = _reference(result.digests, digest)
             if reference is not None:  # JSON-friendly: the details are logged with the sync
                 details["state_reference"], details["state_reference_digest"] = (
@@ -218,6 +220,10 @@ class SwarmReducer:
         the swarm's), or whose group showed it holds another model than its reference member (e.g. it
         left out a contribution that the others averaged) loads a peer's state and continues from there."""
         missed_group = mean.details.get("group_size") == 1
+        # Its group's members were a sync ahead: they publish that progress only once they finish this
+        # round, so without this a peer one sync behind meets them every round, is excluded every round
+        # and never sees itself behind (seen over a 20 ms link: 141 of 150 syncs, docs/reliability.md).
+        behind_group = bool(mean.details.get("behind_group"))
         reference = mean.details.get("state_reference")  # a peer id when this peer's state differs
         if missed_group:  # it went its own way: it does not offer that state, but announces it truthfully
             from muloco.sync.digest import state_digest
@@ -227,12 +233,12 @@ class SwarmReducer:
             self._serve(state)
         # Realigning with the group's reference, whose donor is finishing the same sync: wait for it a
         # while. Behind or without a group: the donors have long served their state, a few looks do.
-        deadline = time.monotonic() + (REALIGN_WAIT_S if reference else CATCH_UP_WAIT_S)
+        deadline = time.monotonic() + (REALIGN_WAIT_S if reference or behind_group else CATCH_UP_WAIT_S)
         for _ in range(REALIGN_ATTEMPTS):  # a donor may still serve the previous sync's state: look again
             progress = state.fragment_syncs
             self.swarm.publish_outer_step(progress, self.digest)
             ahead = self._swarm_progress(progress)
-            behind = ahead > progress
+            behind = ahead > progress or behind_group
             realign = missed_group and self._others_in_step(progress)
             if not (behind or realign or reference):
                 return
@@ -258,12 +264,18 @@ class SwarmReducer:
                 )
                 loaded = self._load(state, replicas, _peer(reference), min_progress=progress)
             else:
-                why = f"is behind ({progress} syncs, the swarm {ahead})" if behind else "found no group"
+                why = (
+                    f"is behind ({progress} syncs, the swarm {ahead})"
+                    if ahead > progress
+                    else f"is a sync behind its group ({progress} syncs)"
+                    if behind
+                    else "found no group"
+                )
                 log.warning("hivemind: this peer %s: loading the swarm's state", why)
                 loaded = self._load(state, replicas, min_progress=progress + 1 if behind else progress)
             if loaded:
                 self._serve(state)
-                missed_group, reference = False, None
+                missed_group, reference, behind_group = False, None, False
             if time.monotonic() > deadline:
                 if not loaded:
                     log.warning(

@@ -45,6 +45,42 @@ def test_horizons_are_searched_shortest_longest_then_upwards(monkeypatch):
     }
 
 
+def test_results_run_one_link_at_a_time_merge_into_one_table():
+    """`merge_results.py`: links and rows of runs made link by link (--ratios 50, then --ratios 5) in one
+    file; parts from different curves (another target) are refused rather than mixed."""
+    from merge_results import merge
+
+    def part(ratio, target=1.29):
+        link = {"ratio": ratio, "label": f"link {ratio}"}
+        return {
+            "command": f"--ratios {ratio}",
+            "target_val_loss": target,
+            "links": [link],
+            "rows": [{"key": "ddp", "link_label": link["label"]}],
+            "curves": {},
+            "bench_s": 10.0,
+        }
+
+    merged = merge([part(50), part(5)])
+    assert [link["ratio"] for link in merged["links"]] == [50, 5]
+    assert [r["link_label"] for r in merged["rows"]] == ["link 50", "link 5"]
+    assert merged["commands"] == ["--ratios 50", "--ratios 5"] and merged["bench_s"] == 20.0
+    with pytest.raises(ValueError, match="different curves"):
+        merge([part(50), part(5, target=1.3)])
+    # A row run again over the same link replaces its earlier run; the rerun's own DDP window does not.
+    again = part(50)
+    again["rows"] = [
+        {"key": "ddp", "link_label": "link 50", "new": 1},
+        {"key": "x", "link_label": "link 50", "new": 1},
+    ]
+    before = part(50)
+    before["rows"].append({"key": "x", "link_label": "link 50"})
+    merged = merge([before, part(5)], (again,))
+    assert [(r["key"], r.get("new")) for r in merged["rows"]] == [("ddp", None), ("x", 1), ("ddp", None)]
+    with pytest.raises(ValueError, match="no part has"):
+        merge([part(5)], (again,))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=f"the testbed: {REASON}")
 # Time (~90 s): DDP's 60-step curve and MuLoCo 4-bit's at 1x and 2x on loopback, then DDP's window and

@@ -109,6 +109,21 @@ def test_a_peer_behind_catches_up_after_a_sync_but_not_with_a_sync_in_flight():
     assert all(torch.equal(p, torch.full_like(p, 0.25)) for p in replica.model.parameters())
 
 
+def test_a_peer_a_sync_behind_its_group_catches_up_before_the_group_publishes_it():
+    """The group's metadata showed its members a step ahead (behind_group): the swarm's published progress
+    does not show it yet (they are finishing this round), and the peer still loads a state past its own
+    progress. Without this it met them a sync behind every round (the WAN headline's hivemind row)."""
+    engine, replica, swarm = engine_and_replica([])
+    swarm.others = {"other": 0}
+    engine.join([replica], resumed=False)
+    swarm.donor_state = swarm_state(engine, 0.25, step=2)
+    behind = {"group_size": 4, "behind_group": True}
+    engine.reducer.after_sync(engine, Mean(None, 0, 0, details=behind), [replica])
+    assert swarm.asked[-1] == (None, 1)  # a state past this peer's progress (0), from any donor
+    assert engine.progress.steps == 2 and engine.progress.fragment_syncs == 1
+    assert all(torch.equal(p, torch.full_like(p, 0.25)) for p in replica.model.parameters())
+
+
 PEERS = [f"Qm{c * 44}" for c in "ABCD"]  # base58 peer ids, ordered A < B < C < D by their bytes
 
 

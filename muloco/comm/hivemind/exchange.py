@@ -96,6 +96,9 @@ class AverageResult:
     # The state digests the group's members announced (authenticated, at this step; this peer's included):
     # every member sees the same, so each can tell whether it holds the same model as the others.
     digests: dict[str, bytes] = field(default_factory=dict)
+    # The group's other members were at a later outer step: this peer is a sync behind them, which the
+    # swarm's published progress may not show yet (they are finishing this same round).
+    behind_group: bool = False
 
     @property
     def contributors(self) -> int:
@@ -293,7 +296,7 @@ class FragmentSync:
             )
             result = self._no_group(own, seconds, str(self.peer_id) in reasons, behind)
             result.group_size, result.excluded, result.excluded_reasons = len(members), len(reasons), reasons
-            result.digests = digests
+            result.digests, result.behind_group = digests, behind
             return result
         log.info(
             "hivemind sync fragment=%d step=%d group=%d used=%d excluded=%d matchmaking_s=%.2f "
