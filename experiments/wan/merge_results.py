@@ -23,18 +23,15 @@ from pathlib import Path
 
 def merge(parts: list[dict], reruns: tuple[dict, ...] = ()) -> dict:
     first = parts[0]
-    for part in parts[1:]:
-        if part["target_val_loss"] != first["target_val_loss"]:
-            raise ValueError(
-                "results from different curves (DDP's final val loss differs): rerun with --reuse-curves"
-            )
+    if any(p["target_val_loss"] != first["target_val_loss"] for p in (*parts, *reruns)):
+        raise ValueError(
+            "results from different curves (DDP's final val loss differs): rerun with --reuse-curves"
+        )
     merged = {**first, "links": [], "rows": [], "commands": [p["command"] for p in parts]}
     for part in parts:
         merged["links"] += part["links"]
         merged["rows"] += part["rows"]
     for rerun in reruns:
-        if rerun["target_val_loss"] != first["target_val_loss"]:
-            raise ValueError("a rerun from different curves (DDP's final val loss differs)")
         for row in rerun["rows"]:
             if row["key"] == "ddp":
                 continue
@@ -51,6 +48,10 @@ def merge(parts: list[dict], reruns: tuple[dict, ...] = ()) -> dict:
     return merged
 
 
+def _load(paths: list[Path]) -> list[dict]:
+    return [json.loads(p.read_text()) for p in paths]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("parts", nargs="+", type=Path)
@@ -58,8 +59,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     try:
-        load = lambda paths: [json.loads(p.read_text()) for p in paths]  # noqa: E731
-        merged = merge(load(args.parts), tuple(load(args.rerun)))
+        merged = merge(_load(args.parts), tuple(_load(args.rerun)))
     except (OSError, ValueError, KeyError) as exc:
         print(f"merge_results: {exc}", file=sys.stderr)
         return 2
