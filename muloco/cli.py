@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--bandwidth-mbps", type=float, nargs="+", default=[100.0, 1000.0], help="link bandwidths (Mbit/s)"
     )
-    plan.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency per ring hop (ms)")
+    latency = "one-way latency (ms): a collective takes the longer of its bytes and its round trips"
+    plan.add_argument("--latency-ms", type=float, default=0.0, help=latency)
     plan.add_argument("--step-time-s", type=float, help="one worker's inner-step compute time (s)")
     plan.add_argument(
         "--tokens-per-step",

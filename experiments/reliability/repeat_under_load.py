@@ -48,6 +48,8 @@ def run_once(test: str, timeout_s: float) -> dict:
         passed, lines = done.returncode == 0, done.stdout.strip().splitlines()
         # The summary line, and for a failure the assertion that failed.
         tail = lines[-1:] if passed else [x for x in lines if x.startswith("E ")][:3] + lines[-1:]
+        if not passed and not tail:  # pytest itself failed (collection, an import): stderr says why
+            tail = done.stderr.strip().splitlines()[-3:]
     except subprocess.TimeoutExpired:
         passed, tail = False, [f"timed out after {timeout_s:.0f} s"]
     if passed:
@@ -67,11 +69,20 @@ def main() -> int:
     tests = args.test or SWARM_TESTS
 
     runs: dict[str, list[dict]] = {test: [] for test in tests}
+    out = Path(__file__).with_name("results")
+    out.mkdir(exist_ok=True)
+    name = args.name or ("swarm_tests" if len(tests) > 1 else tests[0].split("::")[-1])
+
+    def save(repeats_done: int) -> None:  # after every run: a stopped experiment keeps what it measured
+        result = {"burners": args.burners, "repeats": repeats_done, "tests": runs}
+        (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+
     with burners(args.burners):
         for i in range(args.repeats):
             for test in tests:
                 row = run_once(test, args.timeout_s)
                 runs[test].append({"repeat": i, **row})
+                save(i + 1)
                 verdict = "pass" if row["passed"] else "FAIL"
                 print(
                     f"{i:>3}  {verdict:<5} {row['seconds']:>7.1f} s  {test.split('::')[-1]}  {row['result']}",
@@ -84,11 +95,7 @@ def main() -> int:
         passes, seconds = sum(r["passed"] for r in rows), [r["seconds"] for r in rows]
         span = f"{min(seconds):.1f}-{max(seconds):.1f}"
         print(f"{test.split('::')[-1]:<92} {passes:>4}/{len(rows):<3} {span:>18}")
-    out = Path(__file__).with_name("results")
-    out.mkdir(exist_ok=True)
-    name = args.name or ("swarm_tests" if len(tests) > 1 else tests[0].split("::")[-1])
-    result = {"burners": args.burners, "repeats": args.repeats, "tests": runs}
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    save(args.repeats)
     return 0 if all(r["passed"] for rows in runs.values() for r in rows) else 1
 
 

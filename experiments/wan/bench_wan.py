@@ -20,6 +20,9 @@ the table says so.
     python experiments/wan/bench_wan.py --plots docs/img          # everything (root; ~100 min on 2 cores)
     python experiments/wan/bench_wan.py --quick                   # two rows, a few outer steps (< 2 min)
     python experiments/wan/bench_wan.py --report-only --markdown  # the table again, from the JSON
+    python experiments/wan/bench_wan.py --reuse-curves --ratios 50 --rows ddp,muloco_4bit --repeats 3
+        # each link's rows 3 times, interleaved: the table of the first, and each row's median (min-max)
+        # of its time and of its ratio to the DDP window of its own repeat
 
 Needs root and iproute2 (the testbed). Prints the table and writes JSON (--out).
 """
@@ -33,7 +36,16 @@ import time
 from pathlib import Path
 
 from calibrate_links import link_for
-from wan_report import format_curves, format_markdown, format_table, planner_s, plot, speedup_curve
+from wan_report import (
+    format_curves,
+    format_markdown,
+    format_repeats,
+    format_table,
+    planner_s,
+    plot,
+    repeats_of,
+    speedup_curve,
+)
 from wan_rows import ROWS, Row
 from wan_runs import first_at_or_below, loopback_curve, on_link
 
@@ -55,6 +67,7 @@ def main() -> int:
     ap.add_argument("--ratios", default="50,5,0.5", help="DDP's all-reduce / compute per step, per link")
     ap.add_argument("--delay-ms", type=float, default=20.0, help="one way, every link that can have it")
     ap.add_argument("--window", type=int, default=40, help="steps a per-step row runs over a link")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every row over each link, interleaved")
     ap.add_argument("--eval-every", type=int, default=45, help="inner steps (3 outer steps)")
     ap.add_argument("--quick", action="store_true", help="ddp and muloco_4bit, 60 steps, one link")
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs/wan_headline")
@@ -116,7 +129,7 @@ def main() -> int:
     results = []
     for link in links:
         with Testbed(WORKERS, link["rate_mbit"], link["delay_ms"]) as testbed:
-            for row in rows:
+            for repeat, row in ((i, row) for i in range(args.repeats) for row in rows):
                 curve = curves[row.curve_row]
                 try:
                     run = on_link(
@@ -131,7 +144,7 @@ def main() -> int:
                 except RuntimeError as exc:  # one failed row does not cost the others
                     print(f"bench_wan: {exc}", file=sys.stderr, flush=True)
                     continue
-                results.append(measure(row, link, curve, run, target))
+                results.append({**measure(row, link, curve, run, target), "repeat": repeat})
                 print(
                     json.dumps({k: results[-1][k] for k in ("key", "link_label", "s_to_target")}), flush=True
                 )
@@ -177,19 +190,30 @@ def find_horizons(
 
 
 def choose_links(ratios: list[float], compute_s: float, ddp_curve: dict, delay_ms: float) -> list[dict]:
-    """Each ratio's rate at `delay_ms` one way (at no added delay where the delay alone exceeds it)."""
+    """Each ratio's rate at `delay_ms` one way; where that delay's round trips would make DDP's all-reduce
+    latency-bound (calibrate_links.link_for), at the largest whole-ms delay that keeps it byte-bound."""
     params = ddp_curve["runs"][0]["summary"]["params"]
     ring = 2 * (WORKERS - 1) / WORKERS * 4 * params
     links = []
     for ratio in ratios:
         solved, delay = link_for(ratio, compute_s, ring, WORKERS, delay_ms / 1e3), delay_ms
         if solved["rate_mbit"] is None:
-            solved, delay = link_for(ratio, compute_s, ring, WORKERS, 0.0), 0.0
+            delay = solved["latency_ms_max"]
+            solved = link_for(ratio, compute_s, ring, WORKERS, delay / 1e3)
         label = f"{solved['rate_mbit']:.3g} Mbit/s {delay:g} ms"
         links.append(
             {"ratio": ratio, "rate_mbit": round(solved["rate_mbit"], 2), "delay_ms": delay, "label": label}
         )
     return links
+
+
+def local_s_per_sync(loopback: dict, per_step: bool) -> float:
+    """What a sync (a per-step row: a step) costs beyond compute on this machine with no link to pay: a
+    loopback run's train time less its compute, per sync. Its codec and outer step, and the processes
+    that share 2 cores waiting for the slowest at each collective: the planner adds it to every sync."""
+    train_s = loopback["tokens_seen"] / loopback["train_tokens_per_s"]
+    syncs = loopback["inner_steps"] if per_step else loopback["fragment_syncs"]
+    return max(0.0, train_s - loopback["worker_compute_s"]) / max(1, syncs)
 
 
 def measure(row: Row, link: dict, curve: dict, run: dict, target: float) -> dict:
@@ -209,6 +233,7 @@ def measure(row: Row, link: dict, curve: dict, run: dict, target: float) -> dict
         "overlap": summary.get("overlap") or 0,
         "val_equal_tokens": curve["runs"][0]["summary"]["final_val_loss"],
         "process_wall_s": run["process_wall_s"],
+        "local_s_per_sync": local_s_per_sync(final["summary"], row.per_step),
     }
     if row.per_step:
         step_s = run["step_s_median"]
@@ -238,8 +263,11 @@ def measure(row: Row, link: dict, curve: dict, run: dict, target: float) -> dict
         out["wire_to_target"] = wire_per_counted * out["bytes_to_target"]
         out["evals"] = [{**e, "clock_s": e["step"] * step_s} for e in final["evals"]]
     else:
-        t0 = run["evals"][0]["time_s"]
-        evals = [{**e, "clock_s": e["time_s"] - t0} for e in run["evals"]]
+        # The train clock: evaluations are the benchmark's, not the method's (the per-step rows' clock,
+        # their step time x steps, has none either).
+        clock = "train_s" if run["evals"][0].get("train_s") is not None else "time_s"
+        t0 = run["evals"][0][clock]
+        evals = [{**e, "clock_s": e[clock] - t0} for e in run["evals"]]
         reached = first_at_or_below(evals, target)
         train_s = summary["tokens_seen"] / summary["train_tokens_per_s"]
         out.update(
@@ -276,8 +304,9 @@ def summarize_curve(curve: dict) -> dict:
 def report(saved: dict, args, runs_s: float | None) -> int:
     """Comparisons within each link (vs DDP, at DDP's wall-clock, the planner), the table, JSON, plot."""
     rows = saved["rows"]
-    for link in saved["links"]:
-        here = [r for r in rows if r["link_label"] == link["label"]]
+    for link, repeat in ((link, i) for link in saved["links"] for i in range(repeats_of(rows))):
+        # Each comparison within one repeat: its rows ran side by side, interleaved with the others'.
+        here = [r for r in rows if r["link_label"] == link["label"] and r.get("repeat", 0) == repeat]
         ddp = next((r for r in here if r["key"] == "ddp"), None)
         for r in here:
             r["planner_s"] = planner_s(r, Link(r["rate_mbit"], r["delay_ms"]))
@@ -298,8 +327,11 @@ def report(saved: dict, args, runs_s: float | None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(saved, indent=1))
     print(format_curves(saved["curves"], saved["target_val_loss"]))
+    once = [r for r in rows if r.get("repeat", 0) == 0]  # the table: the first repeat
     if rows:
-        print(format_markdown(rows) if args.markdown else format_table(rows))
+        print(format_markdown(once) if args.markdown else format_table(once))
+    if repeats_of(rows) > 1:
+        print(format_repeats(rows))
     if args.plots and rows:
         first = saved["links"][0]
         measured = [r for r in rows if r["link_label"] == first["label"]]

@@ -11,12 +11,14 @@ A deployment is characterized by DDP's all-reduce time over its compute time per
 
 This script measures the compute time per DDP step of CONFIG here (K processes of `muloco launch`, on
 loopback, each with its share of the cores: as the testbed runs them) and solves, for each ratio, the link
-rate R at which the all-reduce of this model's gradients takes ratio x that time, one-way latency included:
+rate R at which the all-reduce of this model's gradients takes ratio x that time (muloco.net.wan: the
+longer of its bytes and its 2K round trips):
 
-    ratio x compute = 8 x 2 (K-1)/K x G / (0.957 R) + 2 (K-1) x latency
+    ratio x compute = 8 x 2 (K-1)/K x G / (0.957 R),  with 2K x 2 x latency <= ratio x compute / 2
 
-Where the latency alone exceeds ratio x compute the ratio cannot be reached at that latency: it says so, with
-the compute per step a step would need (at most half of the all-reduce time spent in latency).
+so that, as in the deployment, the all-reduce's time is its bytes, its round trips at most half of it and
+hidden behind them. Where the latency's round trips exceed that, the ratio cannot be reached at that
+latency: it says so, with the compute per step it would need and the largest latency that reaches it.
 
     python experiments/wan/calibrate_links.py [--config configs/pico.yaml] [--workers 4] [--latency-ms 25]
         [--ratios 50 5 0.5] [--steps 60] [KEY=VALUE ...]
@@ -28,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from muloco.config import load_config
-from muloco.net.wan import TCP_PAYLOAD_EFFICIENCY
+from muloco.net.wan import TCP_PAYLOAD_EFFICIENCY, allreduce_round_trips
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).parent / "results" / "calibrate_links.json"
@@ -56,22 +59,20 @@ def compute_per_step(config: str, workers: int, steps: int, overrides: list[str]
 
 def link_for(ratio: float, compute_s: float, ring_bytes: float, workers: int, latency_s: float) -> dict:
     target_s = ratio * compute_s
-    latency_part = 2 * (workers - 1) * latency_s
-    if target_s <= latency_part:
+    round_trips_s = allreduce_round_trips(workers) * 2 * latency_s
+    if round_trips_s > target_s / 2:
         return {
             "ratio": ratio,
             "allreduce_s": target_s,
             "rate_mbit": None,
-            "why": f"latency alone takes {latency_part:.3f} s > {target_s:.3f} s",
-            "compute_s_needed": 2 * latency_part / ratio,  # latency at most half of the all-reduce
+            "why": f"its round trips take {round_trips_s:.3f} s > half of {target_s:.3f} s",
+            "compute_s_needed": 2 * round_trips_s / ratio,
+            # one way, whole ms
+            "latency_ms_max": math.floor(1e3 * target_s / 2 / (2 * allreduce_round_trips(workers))),
         }
-    rate = 8 * ring_bytes / (TCP_PAYLOAD_EFFICIENCY * (target_s - latency_part)) / 1e6
-    return {
-        "ratio": ratio,
-        "allreduce_s": target_s,
-        "rate_mbit": rate,
-        "latency_share": latency_part / target_s,
-    }
+    rate = 8 * ring_bytes / (TCP_PAYLOAD_EFFICIENCY * target_s) / 1e6
+    share = round_trips_s / target_s
+    return {"ratio": ratio, "allreduce_s": target_s, "rate_mbit": rate, "latency_share": share}
 
 
 def main() -> int:
@@ -99,10 +100,13 @@ def main() -> int:
     for row in rows:
         if row["rate_mbit"] is None:
             needed = f"{row['compute_s_needed'] * 1e3:.0f} ms"
-            note = f"not reachable: {row['why']}; needs >= {needed} of compute per step"
+            note = (
+                f"not reachable: {row['why']}; needs >= {needed} of compute per step, or at most "
+                f"{row['latency_ms_max']} ms one way"
+            )
             print(f"| {row['ratio']:g} | {row['allreduce_s']:.3f} s | - | {note} |")
         else:
-            note = f"latency {row['latency_share']:.0%} of the all-reduce"
+            note = f"round trips {row['latency_share']:.0%} of the all-reduce (hidden by its bytes)"
             print(
                 f"| {row['ratio']:g} | {row['allreduce_s']:.3f} s | {row['rate_mbit']:.1f} Mbit/s | {note} |"
             )

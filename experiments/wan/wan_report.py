@@ -8,23 +8,35 @@ same run onto the same link and the plot onto any rate.
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
-from muloco.net.wan import Link, Workload, wall_clock
+from muloco.net.wan import (
+    Link,
+    Workload,
+    allgather_round_trips,
+    allreduce_round_trips,
+    reduce_scatter_round_trips,
+    wall_clock,
+)
 
 WORKERS = 4
-HOPS = {"all_reduce": 2 * (WORKERS - 1), "all_gather": WORKERS - 1, "reduce_scatter": WORKERS}
+ROUND_TRIPS = {
+    "all_reduce": allreduce_round_trips(WORKERS),
+    "all_gather": allgather_round_trips(WORKERS),
+    "reduce_scatter": reduce_scatter_round_trips(WORKERS),
+}
 
 
-def hops_per_sync(row: dict) -> int:
-    """Latency rounds of one sync: a ring all-reduce per DDP bucket (PowerSGD: two, its P and Q); the
-    engine's transport for the others (hivemind: its mesh download, one round trip after matchmaking)."""
+def round_trips_per_sync(row: dict) -> int:
+    """Round trips of one sync: a ring all-reduce per DDP bucket (PowerSGD: three, its P, its Q and the
+    vectors it leaves uncompressed); the engine's transport for the others (hivemind: one, its mesh
+    download after matchmaking)."""
     if row["per_step"]:
-        rounds = row.get("allreduces_per_step", 1)
-        return rounds * HOPS["all_reduce"]
+        return row.get("allreduces_per_step", 1) * ROUND_TRIPS["all_reduce"]
     if row["backend"] == "hivemind":
-        return 2
-    return HOPS.get(row["transport"], HOPS["all_gather"])
+        return 1
+    return ROUND_TRIPS.get(row["transport"], ROUND_TRIPS["all_gather"])
 
 
 def workload(row: dict, steps: int, syncs: int, bytes_sent: float) -> Workload:
@@ -34,8 +46,9 @@ def workload(row: dict, steps: int, syncs: int, bytes_sent: float) -> Workload:
         step_compute_s=row["step_compute_s"],
         syncs=syncs,
         bytes_per_sync=bytes_sent / max(1, syncs),
-        hops_per_sync=hops_per_sync(row),
+        round_trips_per_sync=round_trips_per_sync(row),
         hidden_steps=row.get("overlap", 0),
+        local_s_per_sync=row.get("local_s_per_sync", 0.0),
     )
 
 
@@ -119,6 +132,44 @@ def format_markdown(results: list[dict]) -> str:
             f"{r['bytes_to_target'] / 1e6:.1f}, {r['wire_to_target'] / 1e6:.1f} |"
         )
     return "\n".join(lines)
+
+
+def repeats_of(rows: list[dict]) -> int:
+    return 1 + max((r.get("repeat", 0) for r in rows), default=0)
+
+
+def format_repeats(rows: list[dict]) -> str:
+    """Per row and link over its repeats: the median and the min-max of its wall-clock to DDP's loss, of
+    its ratio to DDP's within the same repeat, and of measured over planner (markdown)."""
+    lines = [
+        f"Over {repeats_of(rows)} interleaved repeats: median (min-max)",
+        "| link | method | to DDP's loss (s) | vs DDP | measured / planner | vs undisturbed |",
+        "|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["link_label"], r["label"]), []).append(r)
+    for (link, label), runs in groups.items():
+        cells = [
+            _spread([r.get(name) for r in runs], fmt)
+            for name, fmt in (
+                ("s_to_target", "{:.0f}"),
+                ("vs_ddp", "{:.3f}x"),
+                ("measured_over_planner", "{:.2f}"),
+                ("vs_undisturbed", "{:.2f}x"),
+            )
+        ]
+        lines.append(f"| {link} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _spread(values: list[float | None], fmt: str) -> str:
+    got = [v for v in values if v is not None]
+    if not got:
+        return "-"
+    median = fmt.format(statistics.median(got))
+    missing = f", {len(values) - len(got)} not reached" if len(got) < len(values) else ""
+    return f"{median} ({fmt.format(min(got))}-{fmt.format(max(got))}{missing})"
 
 
 def _f(x: float | None) -> str:

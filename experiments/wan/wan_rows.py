@@ -1,7 +1,7 @@
 """The rows of the WAN headline (bench_wan.py): what each method is, as overrides of the pico regime.
 
 Every row trains the pico regime (configs/pico.yaml: K = 4, H = 15, 2,048 tokens per step) at its own
-tuned inner lr (docs/results.md's pico tables; the DDP hooks' from configs/sweeps/pico_ddp_hooks.yaml) with
+tuned inner lr (docs/results.md's pico tables; the DDP hooks' from configs/sweeps/wan_tune_hooks.yaml) with
 a warmup-stable-decay schedule whose decay fills the last 20% of the row's own horizon (Hägele et al. 2024,
 arXiv:2405.18392), so that a row trained longer than DDP is not held to a schedule chosen for DDP's horizon.
 """
@@ -44,8 +44,11 @@ class Row:
 # 0.02: 1.2985); MuLoCo K = 4 1.3468 at 0.01 (0.005: 1.3652, 0.02: 1.3507), also used with 4-bit and 2-bit.
 DP = ("method=dp", "inner.lr=0.01")
 MULOCO = ("inner.lr=0.01",)
-DP_HOOKED = ("method=dp", "inner.lr=0.02")  # bf16 and PowerSGD r4: 0.02 (pico_ddp_hooks.yaml, cosine)
-POWERSGD = ("dp.comm_hook=powersgd", "dp.powersgd_rank=4")
+# The hooks under this schedule (configs/sweeps/wan_tune_hooks.yaml, one seed): DDP + bf16 1.2911 at 0.01
+# (0.005: 1.3268, 0.02: 1.2955, 0.04: 1.3470); DDP + PowerSGD r4 1.4074 at 0.02 (0.005: 1.4287, 0.01:
+# 1.4204, 0.04: 1.7696).
+BF16 = ("method=dp", "inner.lr=0.01", "dp.comm_hook=bf16")
+POWERSGD = ("method=dp", "inner.lr=0.02", "dp.comm_hook=powersgd", "dp.powersgd_rank=4")
 # tau = 4 steps (the most H = 15, P = 3 allows): a fragment's all-gather over 20 ms links takes K - 1 = 3 ring
 # hops of a round trip each plus its transfer, ~100 ms, which 2 pico steps (~60 ms) do not cover.
 STREAMING = ("sync.fragments=3", "sync.overlap=4")
@@ -55,8 +58,8 @@ ROWS = {
     r.key: r
     for r in [
         Row("ddp", "DDP fp32", DP, per_step=True),
-        Row("ddp_powersgd", "DDP + PowerSGD r4", (*DP_HOOKED, *POWERSGD), per_step=True),
-        Row("ddp_bf16", "DDP + bf16", (*DP_HOOKED, "dp.comm_hook=bf16"), per_step=True),
+        Row("ddp_powersgd", "DDP + PowerSGD r4", POWERSGD, per_step=True),
+        Row("ddp_bf16", "DDP + bf16", BF16, per_step=True),
         # DiLoCo (AdamW) K = 4: 1.5499 at 0.003 (0.0015: 1.6086, 0.006: 1.7096; wan_tune.yaml).
         Row("diloco_fp32", "DiLoCo fp32 (AdamW)", ("inner.optimizer=adamw", "inner.adamw.lr=0.003")),
         Row("muloco_fp32", "MuLoCo fp32", MULOCO),

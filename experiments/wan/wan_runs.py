@@ -48,8 +48,9 @@ def run_overrides(
 def read_run(run_dir: Path) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
+    # train_s: the training rounds' clock, evaluations left out (absent in runs before it existed)
     evals = [
-        {"step": r["step"], "time_s": r["time_s"], "val_loss": r["val_loss"]}
+        {"step": r["step"], "time_s": r["time_s"], "train_s": r.get("train_s"), "val_loss": r["val_loss"]}
         for r in records
         if r["kind"] == "eval"
     ]
@@ -65,7 +66,7 @@ def loopback_curve(
     name = f"{row.key}_{steps}"
     overrides = run_overrides(row, steps, batch_tokens, name, workdir, eval_every)
     args_file = workdir / f"{name}.args.json"
-    if reuse and args_file.exists() and json.loads(args_file.read_text()) == overrides:
+    if reuse and args_file.exists() and _same_run(json.loads(args_file.read_text()), overrides):
         try:
             done = read_run(workdir / name)
             if done["summary"].get("status") == "completed":
@@ -80,6 +81,15 @@ def loopback_curve(
         raise RuntimeError(f"{name} failed on loopback: {done.stderr.strip().splitlines()[-1:]}")
     args_file.write_text(json.dumps(overrides))
     return read_run(workdir / name)
+
+
+def _same_run(saved: list[str], overrides: list[str]) -> bool:
+    """The same run's overrides, wherever its directory was then (a workdir copied or moved)."""
+
+    def where_not(args: list[str]) -> list[str]:
+        return [a for a in args if not a.startswith("run.output_dir=")]
+
+    return where_not(saved) == where_not(overrides)
 
 
 def first_at_or_below(evals: list[dict], target: float) -> dict | None:

@@ -58,6 +58,9 @@ class _FlatHandle:
     def __init__(self, work, flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         self.work, self.flat, self.tensors = work, flat, tensors
 
+    def done(self) -> bool:
+        return self.work.is_completed()
+
     def wait(self) -> list[torch.Tensor]:
         self.work.wait()
         for t, synced in zip(self.tensors, _unflatten_dense_tensors(self.flat, self.tensors), strict=True):
@@ -71,6 +74,9 @@ class _BytesHandle:
 
     def __init__(self, work, gathered: list[torch.Tensor], lengths: list[int] | None) -> None:
         self.work, self.gathered, self.lengths = work, gathered, lengths
+
+    def done(self) -> bool:
+        return self.work.is_completed()
 
     def wait(self) -> list[bytes]:
         self.work.wait()

@@ -18,7 +18,10 @@ class LocalBackendConfig(Section):
         "bandwidth (Mbit/s); reported in summary.json as projected_*. null = no projection.",
     )
     latency_ms: float = Field(
-        0.0, ge=0, description="WAN planner: one-way latency per ring hop (ms), with bandwidth_mbps."
+        0.0,
+        ge=0,
+        description="WAN planner: one-way latency (ms), with bandwidth_mbps; a collective takes the longer "
+        "of its bytes and its round trips (2K per all-reduce, K-1 per all-gather: docs/wan.md).",
     )
 
 

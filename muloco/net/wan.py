@@ -1,15 +1,22 @@
 """What communication would cost on a wide-area link, and the `muloco plan` projection.
 
 A link is a bandwidth (Mbit/s, each node's upload: the line rate) and a one-way latency. A collective's
-time on it is the bytes one node sends over the payload rate (the line rate less TCP/IP/Ethernet headers)
-plus one latency per ring hop:
+time on it is the longer of two: the bytes one node sends over the payload rate (the line rate less
+TCP/IP/Ethernet headers), and its round trips. gloo's ring sends a chunk only once its receiver has posted
+the buffer for it (the receiver's notice is one one-way trip, the data another), so every ring hop costs a
+round trip; it keeps two half-chunks in flight, so one half's bytes hide the other's round trip and a
+collective is either byte-bound or latency-bound, not both (gloo/allgather.cc, gloo/allreduce.cc):
 
-- ring all-reduce of P bytes (fp32 pseudogradients, DDP gradients): 2 (K-1)/K P bytes, 2 (K-1) hops
-  (reduce-scatter then all-gather; Patarasuk & Yuan 2009);
-- all-gather of compressed messages of P bytes each: (K-1) P bytes, K-1 hops;
+- ring all-reduce of P bytes (fp32 pseudogradients, DDP gradients): 2 (K-1)/K P bytes (reduce-scatter then
+  all-gather; Patarasuk & Yuan 2009); gloo splits it into 2K segments, two in flight: 2K round trips;
+- all-gather of compressed messages of P bytes each: (K-1) P bytes, K-1 round trips;
 - reduce-scatter of compressed parts (sync.transport: reduce_scatter; message P, owners' means Q): K-1 parts
-  of P / K sent directly to their owners (one hop), then a ring all-gather of the K means of Q / K:
-  (K-1)/K (P + Q) bytes, 1 + (K-1) hops.
+  of P / K sent directly to their owners (one round trip), then a ring all-gather of the K means of Q / K:
+  (K-1)/K (P + Q) bytes, 1 + (K-1) round trips.
+
+Measured over the testbed (4 hosts, 20 ms one way; experiments/wan/probe_collectives.py, docs/wan.md): the
+all-reduce of pico's 739 KB took 310 ms at 350 Mbit/s (8 round trips: 320) and 1,344 ms at 6.89 Mbit/s
+(its bytes: 1,345); an all-gather of 37 KB messages 134 ms at 350 Mbit/s (3 round trips: 120).
 
 Overlap: a sync started at inner step t and applied at t + tau runs while tau inner steps compute, so only
 max(0, transfer - tau x step time) is spent waiting (Streaming DiLoCo, arXiv:2501.18512, section 2.3).
@@ -36,27 +43,47 @@ class Link:
     latency_ms: float = 0.0
     efficiency: float = TCP_PAYLOAD_EFFICIENCY  # payload bytes per byte on the wire
 
-    def seconds(self, bytes_sent: float, hops: int) -> float:
+    def seconds(self, bytes_sent: float, round_trips: int) -> float:
+        """A collective that sends `bytes_sent` per node in `round_trips`: its bytes or its round trips,
+        whichever take longer (the module's docstring)."""
         payload_rate = self.bandwidth_mbps * 1e6 * self.efficiency
-        return 8.0 * bytes_sent / payload_rate + hops * self.latency_ms / 1e3
+        return max(8.0 * bytes_sent / payload_rate, round_trips * self.round_trip_s)
+
+    @property
+    def round_trip_s(self) -> float:
+        return 2.0 * self.latency_ms / 1e3
+
+
+# Round trips of each collective over K nodes as gloo runs it (the module's docstring).
+def allreduce_round_trips(workers: int) -> int:
+    return 2 * workers
+
+
+def allgather_round_trips(workers: int) -> int:
+    return workers - 1
+
+
+def reduce_scatter_round_trips(workers: int) -> int:
+    return 1 + (workers - 1)
 
 
 def allreduce_seconds(link: Link, payload_bytes: float, workers: int) -> float:
     if workers <= 1:
         return 0.0
-    return link.seconds(ring_allreduce_bytes(payload_bytes, workers), 2 * (workers - 1))
+    return link.seconds(ring_allreduce_bytes(payload_bytes, workers), allreduce_round_trips(workers))
 
 
 def allgather_seconds(link: Link, payload_bytes: float, workers: int) -> float:
     if workers <= 1:
         return 0.0
-    return link.seconds(ring_allgather_bytes(payload_bytes, workers), workers - 1)
+    return link.seconds(ring_allgather_bytes(payload_bytes, workers), allgather_round_trips(workers))
 
 
 def reduce_scatter_seconds(link: Link, message_bytes: float, mean_bytes: float, workers: int) -> float:
     if workers <= 1:
         return 0.0
-    return link.seconds(reduce_scatter_bytes(message_bytes, mean_bytes, workers), workers)
+    sent = reduce_scatter_bytes(message_bytes, mean_bytes, workers)
+    return link.seconds(sent, reduce_scatter_round_trips(workers))
 
 
 def sync_seconds(
@@ -171,23 +198,28 @@ class Workload:
     """A run up to some loss, as measured, for projecting its wall-clock onto any link (bench_wan.py).
 
     steps inner steps of step_compute_s each (one worker); syncs collectives on the link, each sending
-    bytes_per_sync per worker (as muloco counts them) in hops_per_sync latency rounds; a sync overlaps
+    bytes_per_sync per worker (as muloco counts them) in round_trips_per_sync; a sync overlaps
     hidden_steps inner steps (Streaming DiLoCo's tau; 0 when the worker waits for it)."""
 
     steps: int
     step_compute_s: float
     syncs: int
     bytes_per_sync: float
-    hops_per_sync: int
+    round_trips_per_sync: int
     hidden_steps: int = 0
     fixed_s_per_sync: float = 0.0  # what a sync costs beyond bytes and latency (e.g. hivemind's matchmaking)
+    # What a sync costs the worker with no link to pay (its codec and outer step, waiting for the slowest
+    # process at the collective): measured on loopback; overlap does not hide it.
+    local_s_per_sync: float = 0.0
 
 
 def wall_clock(work: Workload, link: Link) -> float:
-    """Compute plus the part of every sync's transfer that the overlapped steps do not hide."""
-    transfer = link.seconds(work.bytes_per_sync, work.hops_per_sync) + work.fixed_s_per_sync
+    """Compute, every sync's local cost, and the part of its transfer that the overlapped steps do not
+    hide."""
+    transfer = link.seconds(work.bytes_per_sync, work.round_trips_per_sync) + work.fixed_s_per_sync
     hidden = work.hidden_steps * work.step_compute_s
-    return work.steps * work.step_compute_s + work.syncs * max(0.0, transfer - hidden)
+    per_sync = work.local_s_per_sync + max(0.0, transfer - hidden)
+    return work.steps * work.step_compute_s + work.syncs * per_sync
 
 
 def format_plan(rows: list[PlanRow]) -> str:

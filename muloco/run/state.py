@@ -59,6 +59,8 @@ class Progress(Component):
     val_losses: list[list[float]] = field(default_factory=list)  # [step, val loss] of every eval
     worker_compute_s: float = 0.0  # one worker's inner-step compute (mean over replicas), all sessions
     elapsed_s: float = 0.0  # wall time of the run (all sessions) at the last checkpoint
+    # Time in training rounds (evaluations and checkpoints left out), all sessions: eval records' train_s.
+    train_s: float = field(default=0.0, metadata={"optional": True})
 
     def summary(self) -> dict[str, Any]:
         val = [v for _, v in self.val_losses]

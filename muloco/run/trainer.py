@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from torch.profiler import record_function
 
 from muloco.checkpoint.plain import save_checkpoint
 from muloco.checkpoint.sharded import save_sharded, with_ranks_rng
-from muloco.comm import Backend, build_backend, means_over_processes
+from muloco.comm import Backend, ProcessMeans, build_backend, means_over_processes
 from muloco.comm.sharding import layout_free_fingerprint
 from muloco.comm.topology import build_topology
 from muloco.config import Config
@@ -49,6 +48,7 @@ from muloco.run.inner_steps import InnerSteps
 from muloco.run.lr_schedule import lr_multiplier
 from muloco.run.metrics import MetricsLogger, finish_wandb, log_run_start, start_wandb, timed_record
 from muloco.run.offload import ReplicaOffload, offload_applies
+from muloco.run.pending_records import PendingRecords
 from muloco.run.resume import check_same_config, load_components, resume_run
 from muloco.run.run_dir import (
     prepare_run_dir,
@@ -153,7 +153,7 @@ class Trainer:
         self.probe = alignment_probe(cfg, template, self.data.train, self.device) if probing else None
         self.autocast = autocast_factory(cfg.train.precision, self.device)
         self.stop = StopRequest(self.backend)
-        self._pending_records: list[tuple] = []  # _log_later's, written by _write_pending
+        self._pending_records = PendingRecords()  # _log_later's, written by _write_pending
         shape = (self.micro_batches, self.seqs_per_micro, cfg.train.grad_clip)
         inner_args = (self.progress, self.stop, self._lr_multiplier, shape, self.autocast, self.offload)
         self.inner = InnerSteps(self.replicas, *inner_args, batched=self.batched)
@@ -199,7 +199,7 @@ class Trainer:
         resume_step = progress.steps if self.resumed_from else None
         where = (self.run_dir / "metrics.jsonl", self.total_steps, cfg.logging.progress, wandb_run)
         self.metrics = MetricsLogger(*where, resume_step, self.is_main)
-        self.started, self.elapsed_at_start, self.train_time = time.perf_counter(), progress.elapsed_s, 0.0
+        self.started, self.elapsed_at_start = time.perf_counter(), progress.elapsed_s
         status = "failed"
         self.stop.install()
         try:
@@ -212,7 +212,7 @@ class Trainer:
             while progress.steps < self.total_steps and not (self._agreement_due() and self.stop.agreed()):
                 t0 = time.perf_counter()
                 self.run_round()
-                self.train_time += time.perf_counter() - t0
+                progress.train_s += time.perf_counter() - t0
                 if progress.steps >= next_eval and progress.steps < self.total_steps:
                     self.evaluate()
                     next_eval = _next_multiple(progress.steps, cfg.train.eval_every)
@@ -275,7 +275,10 @@ class Trainer:
                 end, self._lr_multiplier, self.micro_batches, self.seqs_per_micro, t.grad_clip, self.autocast
             )
         progress.steps = end
-        self._write_pending()  # the last round's sync records: their means arrived during the inner steps
+        # The earlier syncs' records whose means have arrived; a record still waiting for its all-reduce
+        # (a streaming round can be one inner step, shorter than a collective over a slow link) stays for
+        # a later round rather than stop this one.
+        self._write_pending(block=False)
         engine.trained()
 
         # 2. Syncs in flight that are due are applied first (at the last step: all of them); then the
@@ -308,7 +311,7 @@ class Trainer:
         progress, t = self.progress, self.cfg.train
         loss_sum_count = self.dp.step(self._lr_multiplier(progress.steps), self.autocast)
         if progress.steps % t.log_every == 0 or progress.steps == self.total_steps:
-            self._write_pending()  # the previous log line's means: log_every steps ago, long there
+            self._write_pending(block=False)  # earlier log lines' means, those that have arrived
             means = means_over_processes(self.backend, loss_sum_count)
             self._log_later("train", progress.steps, means, ("train_loss",), {})
 
@@ -325,7 +328,8 @@ class Trainer:
         global_params = self.engine.global_params if streaming else None
         val_loss = evaluate_global(self.replicas[0], global_params, self.val_set, self.device, self.autocast)
         self.progress.val_losses.append([self.progress.steps, val_loss])
-        self._log("eval", val_loss=val_loss)
+        # train_s: the clock of a time-to-loss without the evaluations (experiments/wan/bench_wan.py)
+        self._log("eval", val_loss=val_loss, train_s=round(self.progress.train_s, 3))
         return val_loss
 
     def _elapsed(self) -> float:
@@ -338,18 +342,17 @@ class Trainer:
         self.metrics.log(timed_record(kind, steps, *self._timing(), **values))
 
     def _log_later(
-        self, kind: str, step: int, means: Callable[[], list[float]], names: tuple[str, ...], fields: dict
+        self, kind: str, step: int, means: ProcessMeans, names: tuple[str, ...], fields: dict
     ) -> None:
         """A record whose means over the processes are still on their way (means_over_processes), timed
-        now and written by `_write_pending` after the next inner steps (or before the next record or
+        now and written by `_write_pending` once they are there (at the latest before the next record or
         checkpoint): over a slow link its all-reduce would otherwise cost every sync a round trip."""
-        self._pending_records.append((kind, step, self._timing(), means, names, fields))
+        self._pending_records.add(kind, step, self._timing(), means, names, fields)
 
-    def _write_pending(self) -> None:
-        for kind, step, timing, means, names, fields in self._pending_records:
-            values = dict(zip(names, means(), strict=True))
-            self.metrics.log(timed_record(kind, step, *timing, **values, **fields))
-        self._pending_records = []
+    def _write_pending(self, block: bool = True) -> None:
+        """The records waiting for their means (pending_records.py); a blocking wait is time on the
+        network (summary.json's comm_wait_s)."""
+        self.ledger.comm_wait_s += self._pending_records.flush(self.metrics.log, block)
 
     def _timing(self) -> tuple:
         return self.cfg.train.batch_tokens, self.total_steps, self._elapsed(), self.ledger.bytes_sent
@@ -408,7 +411,7 @@ class Trainer:
             num_params=self.num_params,
             device=str(self.device),
             elapsed_s=self._elapsed(),
-            train_time_s=self.train_time,
+            train_time_s=self.progress.train_s,
             status=status,
         )
         if self.is_main:

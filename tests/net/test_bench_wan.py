@@ -81,6 +81,36 @@ def test_results_run_one_link_at_a_time_merge_into_one_table():
         merge([part(5)], (again,))
 
 
+def test_repeats_are_compared_within_each_repeat_and_summarized_by_median_and_spread():
+    """--repeats: each row's ratio to DDP uses the DDP window of its own repeat (they ran side by side),
+    and the summary gives the median with min-max; a repeat that did not reach the target is counted."""
+    from wan_report import format_repeats
+
+    rows = []
+    for repeat, (ddp_s, mine_s) in enumerate([(100.0, 10.0), (200.0, 30.0), (120.0, None)]):
+        for key, seconds in (("ddp", ddp_s), ("mine", mine_s)):
+            row = {"key": key, "label": key, "link_label": "L", "repeat": repeat, "s_to_target": seconds}
+            rows.append(row)
+            rows[-1]["vs_ddp"] = None if seconds is None else seconds / ddp_s
+    table = format_repeats(rows)
+    assert "| L | ddp | 120 (100-200) | 1.000x (1.000x-1.000x) | - | - |" in table
+    assert "| L | mine | 20 (10-30, 1 not reached) | 0.125x (0.100x-0.150x, 1 not reached) | - | - |" in table
+
+
+def test_links_are_solved_byte_bound_and_a_delay_too_long_for_the_ratio_is_lowered():
+    """calibrate_links.link_for: the rate from the all-reduce's bytes at ratio x compute; a latency whose
+    2K round trips exceed half of that time is refused with the largest whole-ms one that fits."""
+    from calibrate_links import link_for
+
+    ring = 2 * 3 / 4 * 4 * 1e6  # 1M parameters, K = 4: 6 MB per worker
+    fits = link_for(50, 0.02, ring, 4, 0.005)  # 1 s; 8 round trips of 10 ms: 0.08 s
+    assert fits["rate_mbit"] == pytest.approx(8 * 6e6 / (1448 / 1514) / 1e6)
+    assert fits["latency_share"] == pytest.approx(0.08)
+    refused = link_for(5, 0.02, ring, 4, 0.020)  # 0.1 s, but 8 round trips of 40 ms: 0.32 s
+    assert refused["rate_mbit"] is None
+    assert refused["latency_ms_max"] == 3  # 8 x 2 x 3 ms = 48 ms <= 50 ms; 4 ms would be 64 ms
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=f"the testbed: {REASON}")
 # Time (~90 s): DDP's 60-step curve and MuLoCo 4-bit's at 1x and 2x on loopback, then DDP's window and

@@ -21,28 +21,38 @@ from muloco.net.wan import (
 )
 
 
-def test_link_times_are_bytes_over_bandwidth_plus_hops():
-    link = Link(bandwidth_mbps=100, latency_ms=10, efficiency=1.0)
-    # 4 workers, 40 MB fp32: ring all-reduce sends 2 * 3/4 * 40 MB = 60 MB = 480 Mbit -> 4.8 s, 6 hops.
-    assert allreduce_seconds(link, 40e6, 4) == pytest.approx(4.8 + 0.06)
-    # all-gather of 5 MB messages: 3 * 5 MB = 120 Mbit -> 1.2 s, 3 hops.
-    assert allgather_seconds(link, 5e6, 4) == pytest.approx(1.2 + 0.03)
+def test_a_collective_takes_its_bytes_or_its_round_trips_whichever_is_longer():
+    link = Link(bandwidth_mbps=100, latency_ms=10, efficiency=1.0)  # a round trip: 20 ms
+    # 4 workers, 40 MB fp32: ring all-reduce sends 2 * 3/4 * 40 MB = 60 MB = 480 Mbit -> 4.8 s, more than
+    # its 2K = 8 round trips (0.16 s).
+    assert allreduce_seconds(link, 40e6, 4) == pytest.approx(4.8)
+    # all-gather of 5 MB messages: 3 * 5 MB = 120 Mbit -> 1.2 s (3 round trips: 0.06 s).
+    assert allgather_seconds(link, 5e6, 4) == pytest.approx(1.2)
     assert allreduce_seconds(link, 40e6, 1) == 0.0
-    # reduce-scatter of 5 MB messages and 5 MB means: 3/4 x 10 MB = 60 Mbit -> 0.6 s; 1 direct hop to the
-    # owners + 3 ring hops of the all-gather.
-    assert reduce_scatter_seconds(link, 5e6, 5e6, 4) == pytest.approx(0.6 + 0.04)
+    # reduce-scatter of 5 MB messages and 5 MB means: 3/4 x 10 MB = 60 Mbit -> 0.6 s (1 + 3 round trips).
+    assert reduce_scatter_seconds(link, 5e6, 5e6, 4) == pytest.approx(0.6)
+    # 1 KB: the round trips are the time (the bytes, 0.24 ms at most, hide behind them).
+    assert allreduce_seconds(link, 1e3, 4) == pytest.approx(8 * 0.02)
+    assert allgather_seconds(link, 1e3, 4) == pytest.approx(3 * 0.02)
+    assert reduce_scatter_seconds(link, 1e3, 1e3, 4) == pytest.approx(4 * 0.02)
 
 
 def test_a_workloads_wall_clock_is_compute_plus_what_overlap_does_not_hide():
     link = Link(bandwidth_mbps=100, latency_ms=10, efficiency=1.0)
-    # A sync: 1.25 MB = 10 Mbit -> 0.1 s, 6 hops -> 0.06 s: 0.16 s. 30 steps of 10 ms: 0.3 s.
-    work = Workload(steps=30, step_compute_s=0.01, syncs=2, bytes_per_sync=1.25e6, hops_per_sync=6)
-    assert wall_clock(work, link) == pytest.approx(0.3 + 2 * 0.16)
-    # tau = 10 steps hide 0.1 s of each sync; 16 steps hide all of it.
-    assert wall_clock(replace(work, hidden_steps=10), link) == pytest.approx(0.3 + 2 * 0.06)
-    assert wall_clock(replace(work, hidden_steps=16), link) == pytest.approx(0.3)
+    # A sync: 1.25 MB = 10 Mbit -> 0.1 s, more than its 2 round trips (0.04 s). 30 steps of 10 ms: 0.3 s.
+    work = Workload(steps=30, step_compute_s=0.01, syncs=2, bytes_per_sync=1.25e6, round_trips_per_sync=2)
+    assert wall_clock(work, link) == pytest.approx(0.3 + 2 * 0.1)
+    # tau = 6 steps hide 0.06 s of each sync; 10 steps hide all of it.
+    assert wall_clock(replace(work, hidden_steps=6), link) == pytest.approx(0.3 + 2 * 0.04)
+    assert wall_clock(replace(work, hidden_steps=10), link) == pytest.approx(0.3)
+    # A latency-bound sync: 1 KB in 6 round trips, 0.12 s.
+    assert wall_clock(replace(work, bytes_per_sync=1e3, round_trips_per_sync=6), link) == pytest.approx(0.54)
     # What a sync costs beyond bytes and latency (matchmaking) is paid like them.
-    assert wall_clock(replace(work, fixed_s_per_sync=0.04), link) == pytest.approx(0.3 + 2 * 0.2)
+    assert wall_clock(replace(work, fixed_s_per_sync=0.04), link) == pytest.approx(0.3 + 2 * 0.14)
+    # Its local cost (codec, outer step, waiting for the slowest process) is paid even when tau hides the
+    # transfer.
+    hidden = replace(work, hidden_steps=10, local_s_per_sync=0.02)
+    assert wall_clock(hidden, link) == pytest.approx(0.3 + 2 * 0.02)
 
 
 def test_faster_transport_follows_k_bytes_and_latency():

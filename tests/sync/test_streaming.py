@@ -237,11 +237,10 @@ def test_wan_projection_hides_transfers_behind_the_overlap(tiny):
     no_overlap = Trainer(load_config(None, [*base, "run.name=a"])).run()
     overlap = Trainer(load_config(None, [*base, "run.name=b", "sync.overlap=1"])).run()
     # Transfers: an all-reduce of each fragment's fp32 pseudogradient, 2 (K-1)/K x bytes at 1 Mbit/s (of
-    # which 1448/1514 is payload: TCP over Ethernet) plus 2 (K-1) hops of 5 ms; the same in both runs.
-    expected_network = (
-        8 * no_overlap["bytes_sent_per_worker"] / (1e6 * 1448 / 1514)
-        + 2 * no_overlap["fragment_syncs"] * 0.005
-    )
+    # which 1448/1514 is payload: TCP over Ethernet), ~0.6 s a sync, which hides its 2K round trips of
+    # 10 ms (muloco.net.wan: the longer of the two); the same in both runs.
+    expected_network = 8 * no_overlap["bytes_sent_per_worker"] / (1e6 * 1448 / 1514)
+    assert expected_network / no_overlap["fragment_syncs"] > 2 * no_overlap["workers"] * 0.01
     for s in (no_overlap, overlap):
         assert s["projected_network_s"] == pytest.approx(expected_network, rel=1e-3)
         assert s["projected_wall_s_no_overlap"] == pytest.approx(

@@ -1,0 +1,137 @@
+"""Time the headline's collectives over one testbed link: what the planner's latency term must account for.
+
+Each op runs 12 times on 4 hosts (gloo), after a barrier and a pause (--pause-s: ~30 ms is a DDP step's
+compute between all-reduces, ~0.5 s a MuLoCo round's between syncs, longer than TCP's retransmission
+timeout, after which Linux restarts an idle connection's window from 10 segments unless the host sets
+net.ipv4.tcp_slow_start_after_idle=0); the median of the last 10, against the planner's seconds for it.
+
+    python experiments/wan/probe_collectives.py --rate-mbit 350 --delay-ms 20 [--pause-s 0.5]
+        [--slow-start-after-idle 0|1] [--out experiments/wan/results/probe_collectives.json]
+
+Needs root (the testbed). Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from muloco.net.launch import free_port
+from muloco.net.testbed import Testbed, missing_requirements
+from muloco.net.wan import Link, allgather_seconds, allreduce_seconds
+
+HERE = Path(__file__).resolve().parent
+WORKERS = 4
+PICO_PARAMS = 184_768  # configs/pico.yaml
+# (name, op, bytes per rank): DDP's and fp32 DiLoCo's all-reduce; a 4-bit pico message (all-gather) and
+# a fragment of it (streaming, P = 3); one float (the control plane's).
+OPS = [
+    ("all_reduce fp32 pico", "all_reduce", 4 * PICO_PARAMS),
+    ("all_gather 4-bit pico", "all_gather", 110_424),
+    ("all_gather 4-bit fragment", "all_gather", 36_808),
+    ("all_reduce 1 float", "all_reduce", 4),
+]
+RANK = """
+import json, statistics, sys, time, torch, torch.distributed as dist
+rank, world, master, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+pause = float(sys.argv[5])
+ops = json.loads(sys.argv[6])
+dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world)
+out = {}
+for name, kind, size in ops:
+    if kind == "all_reduce":
+        x = torch.zeros(max(1, size // 4))
+        op = lambda x=x: dist.all_reduce(x)
+    else:
+        x = torch.zeros(size, dtype=torch.uint8)
+        op = lambda x=x: dist.all_gather([torch.empty_like(x) for _ in range(world)], x)
+    times = []
+    for _ in range(12):
+        dist.barrier()
+        time.sleep(pause)
+        t = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t)
+    out[name] = statistics.median(times[2:])
+if rank == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def probe(testbed: Testbed, pause_s: float) -> dict[str, float]:
+    port, procs = str(free_port()), []
+    for host in testbed.hosts:
+        args = [str(host.index), str(WORKERS), testbed.hosts[0].address, port, str(pause_s), json.dumps(OPS)]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": host.interface}
+        cmd = [sys.executable, "-c", RANK, *args]
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env}
+        procs.append(testbed.popen(host.index, cmd, **pipes))
+    try:
+        out, err = procs[0].communicate(timeout=600)
+        if procs[0].returncode != 0:
+            raise RuntimeError(f"probe failed: {err.strip().splitlines()[-1:]}")
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def planned(link: Link, kind: str, size: int) -> float:
+    return (allreduce_seconds if kind == "all_reduce" else allgather_seconds)(link, size, WORKERS)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate-mbit", type=float, required=True)
+    ap.add_argument("--delay-ms", type=float, default=20.0)
+    ap.add_argument("--pause-s", type=float, nargs="+", default=[0.03, 0.5])
+    ap.add_argument("--slow-start-after-idle", type=int, nargs="+", default=[1, 0], choices=[0, 1])
+    ap.add_argument("--out", type=Path, default=HERE / "results/probe_collectives.json")
+    args = ap.parse_args()
+    reason = missing_requirements()
+    if reason:
+        print(f"probe_collectives: cannot run: {reason}", file=sys.stderr)
+        return 2
+    link, rows = Link(args.rate_mbit, args.delay_ms), []
+    with Testbed(WORKERS, args.rate_mbit, args.delay_ms) as testbed:
+        for restart in args.slow_start_after_idle:
+            for host in testbed.hosts:
+                testbed.run(host.index, ["sysctl", "-qw", f"net.ipv4.tcp_slow_start_after_idle={restart}"])
+            for pause in args.pause_s:
+                measured = probe(testbed, pause)
+                for name, kind, size in OPS:
+                    plan = planned(link, kind, size)
+                    rows.append(
+                        {
+                            "op": name,
+                            "bytes": size,
+                            "slow_start_after_idle": restart,
+                            "pause_s": pause,
+                            "measured_s": measured[name],
+                            "planner_s": plan,
+                        }
+                    )
+    print(f"{args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one way, 4 hosts (gloo); median of 10")
+    print(f"{'op':<28} {'restart':>7} {'pause s':>7} {'measured ms':>11} {'planner ms':>10} {'ratio':>6}")
+    for r in rows:
+        print(
+            f"{r['op']:<28} {r['slow_start_after_idle']:>7} {r['pause_s']:>7g} "
+            f"{1e3 * r['measured_s']:>11.1f} {1e3 * r['planner_s']:>10.1f} "
+            f"{r['measured_s'] / r['planner_s']:>6.2f}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"command": " ".join(sys.argv), "rate_mbit": args.rate_mbit, "delay_ms": args.delay_ms}
+    record["rows"] = rows
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
