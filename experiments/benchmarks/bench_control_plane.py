@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from muloco.net.probe import time_collectives
 from muloco.net.testbed import Testbed, missing_requirements, train_on_testbed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,58 +42,15 @@ CASES = {
     "DDP fp32": (["method=dp", "inner.lr=0.02", "train.log_every=1"], 30, True),
 }
 WARMUP = 5  # a per-step case's first steps, left out of its median
-# One rank of the collectives' probe: each op 12 times after a barrier and a pause (a sync comes after a
-# round of compute, its connections idle), the median of the last 10, printed by rank 0.
-PROBE = """
-import json, statistics, sys, time, torch, torch.distributed as dist
-rank, world, master, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world)
-ops = {"all_reduce 1 float": lambda: dist.all_reduce(torch.zeros(1))}
-for n in (8, 30_000, 100_000):
-    x = torch.zeros(n, dtype=torch.uint8)
-    ops[f"all_gather {n:,} B"] = lambda x=x: dist.all_gather([torch.empty_like(x) for _ in range(world)], x)
-out = {}
-for name, op in ops.items():
-    times = []
-    for _ in range(12):
-        dist.barrier()
-        time.sleep(0.2)
-        t = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - t)
-    out[name] = statistics.median(times[2:])
-if rank == 0:
-    print(json.dumps(out))
-dist.destroy_process_group()
-"""
+# The probe's collectives: a small all-reduce (the stop agreement's) and all-gathers of a size exchange, a
+# 4-bit pico fragment and a 4-bit pico model, each after a 0.2 s pause (muloco.net.probe).
+PROBE_OPS = [("all_reduce 1 float", "all_reduce", 4)]
+PROBE_OPS += [(f"all_gather {n:,} B", "all_gather", n) for n in (8, 30_000, 100_000)]
 
 
 def probe_collectives(testbed: Testbed) -> dict:
     """Median seconds of a small all-reduce and all-gathers of a few sizes over the testbed's links."""
-    port = "29561"
-    procs = []
-    for host in testbed.hosts:
-        cmd = [
-            sys.executable,
-            "-c",
-            PROBE,
-            str(host.index),
-            str(len(testbed.hosts)),
-            testbed.hosts[0].address,
-            port,
-        ]
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": host.interface}
-        procs.append(
-            testbed.popen(
-                host.index, cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
-            )
-        )
-    try:
-        return json.loads(procs[0].communicate(timeout=300)[0].strip().splitlines()[-1])
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(timeout=10)
+    return time_collectives(testbed, PROBE_OPS, pause_s=0.2)
 
 
 def worktree(rev: str, where: Path) -> Path:

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-from muloco.net.launch import free_port
+from muloco.net.probe import time_collectives
 from muloco.net.testbed import Testbed, missing_requirements
 from muloco.net.wan import Link, allgather_seconds, allreduce_seconds
 
@@ -35,51 +33,6 @@ OPS = [
     ("all_gather 4-bit fragment", "all_gather", 36_808),
     ("all_reduce 1 float", "all_reduce", 4),
 ]
-RANK = """
-import json, statistics, sys, time, torch, torch.distributed as dist
-rank, world, master, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-pause = float(sys.argv[5])
-ops = json.loads(sys.argv[6])
-dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world)
-out = {}
-for name, kind, size in ops:
-    if kind == "all_reduce":
-        x = torch.zeros(max(1, size // 4))
-        op = lambda x=x: dist.all_reduce(x)
-    else:
-        x = torch.zeros(size, dtype=torch.uint8)
-        op = lambda x=x: dist.all_gather([torch.empty_like(x) for _ in range(world)], x)
-    times = []
-    for _ in range(12):
-        dist.barrier()
-        time.sleep(pause)
-        t = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - t)
-    out[name] = statistics.median(times[2:])
-if rank == 0:
-    print(json.dumps(out))
-dist.destroy_process_group()
-"""
-
-
-def probe(testbed: Testbed, pause_s: float) -> dict[str, float]:
-    port, procs = str(free_port()), []
-    for host in testbed.hosts:
-        args = [str(host.index), str(WORKERS), testbed.hosts[0].address, port, str(pause_s), json.dumps(OPS)]
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": host.interface}
-        cmd = [sys.executable, "-c", RANK, *args]
-        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env}
-        procs.append(testbed.popen(host.index, cmd, **pipes))
-    try:
-        out, err = procs[0].communicate(timeout=600)
-        if procs[0].returncode != 0:
-            raise RuntimeError(f"probe failed: {err.strip().splitlines()[-1:]}")
-        return json.loads(out.strip().splitlines()[-1])
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def planned(link: Link, kind: str, size: int) -> float:
@@ -104,7 +57,7 @@ def main() -> int:
             for host in testbed.hosts:
                 testbed.run(host.index, ["sysctl", "-qw", f"net.ipv4.tcp_slow_start_after_idle={restart}"])
             for pause in args.pause_s:
-                measured = probe(testbed, pause)
+                measured = time_collectives(testbed, OPS, pause)
                 for name, kind, size in OPS:
                     plan = planned(link, kind, size)
                     rows.append(

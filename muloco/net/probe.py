@@ -1,15 +1,20 @@
 """What a testbed's links carry, measured between two of its hosts: the round trip of a 1-byte TCP message
-and the goodput of a bulk TCP transfer (tests/net/test_testbed.py, experiments/wan/delay_line_check.py).
-Both run as small Python programs inside the hosts' namespaces."""
+and the goodput of a bulk TCP transfer (tests/net/test_testbed.py, experiments/wan/delay_line_check.py);
+and among all of them, the time of gloo's collectives (experiments/wan/probe_collectives.py,
+experiments/benchmarks/bench_control_plane.py). All run as small Python programs inside the hosts'
+namespaces."""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import subprocess
 import sys
 import textwrap
 import time
 
+from muloco.net.launch import free_port
 from muloco.net.testbed import Testbed
 
 PORT = 5003
@@ -82,3 +87,52 @@ def goodput_mbit(testbed: Testbed, sender: int, receiver: int, size_bytes: int) 
     if int(received) != size_bytes:
         raise RuntimeError(f"probe: {received} of {size_bytes} bytes arrived")
     return size_bytes * 8 / float(seconds) / 1e6
+
+
+# One rank: each op 12 times after a barrier and a pause (a sync comes after a round of compute, its
+# connections idle), the median of the last 10, printed by rank 0.
+_COLLECTIVES = """
+import json, statistics, sys, time, torch, torch.distributed as dist
+rank, world, master, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+pause, ops = float(sys.argv[5]), json.loads(sys.argv[6])
+dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world)
+out = {}
+for name, kind, size in ops:
+    if kind == "all_reduce":
+        x = torch.zeros(max(1, size // 4))
+        op = lambda x=x: dist.all_reduce(x)
+    else:
+        x = torch.zeros(size, dtype=torch.uint8)
+        op = lambda x=x: dist.all_gather([torch.empty_like(x) for _ in range(world)], x)
+    times = []
+    for _ in range(12):
+        dist.barrier()
+        time.sleep(pause)
+        t = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t)
+    out[name] = statistics.median(times[2:])
+if rank == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def time_collectives(testbed: Testbed, ops: list[tuple[str, str, int]], pause_s: float) -> dict[str, float]:
+    """Median seconds of each (name, all_reduce | all_gather, bytes per rank) over every host (gloo)."""
+    port, procs = str(free_port()), []
+    for host in testbed.hosts:
+        args = [str(host.index), str(len(testbed.hosts)), testbed.hosts[0].address, port, str(pause_s)]
+        cmd = [sys.executable, "-c", _COLLECTIVES, *args, json.dumps(ops)]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": host.interface}
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env}
+        procs.append(testbed.popen(host.index, cmd, **pipes))
+    try:
+        out, err = procs[0].communicate(timeout=600)
+        if procs[0].returncode != 0:
+            raise RuntimeError(f"the collectives' probe failed: {err.strip().splitlines()[-1:]}")
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -163,8 +163,9 @@ def test_teardown_after_an_exception_in_the_body():
 
 
 HOLDER = textwrap.dedent("""
-    import sys, time
+    import faulthandler, signal, sys, time
     from muloco.net.testbed import Testbed
+    faulthandler.register(signal.SIGUSR1)  # where it is stuck, if a test asks (wait_or_explain)
     with Testbed(2, 10) as testbed:
         sleeper = testbed.popen(0, ["sleep", "120"])
         print(sleeper.pid, *testbed.namespaces(), flush=True)
@@ -179,6 +180,18 @@ def start_holder() -> tuple[subprocess.Popen, int, set[str]]:
     )
     first, *made = holder.stdout.readline().split()
     return holder, int(first), set(made)
+
+
+def wait_or_explain(holder: subprocess.Popen, timeout: float) -> None:
+    """The holder's exit within `timeout`; else fail with where its threads were (its stderr)."""
+    try:
+        holder.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        holder.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        holder.kill()
+        stacks = holder.communicate(timeout=10)[1]
+        pytest.fail(f"the testbed's holder did not exit within {timeout:.0f} s; its stacks:\n{stacks}")
 
 
 def ended(pid: int) -> bool:
@@ -197,7 +210,7 @@ def test_teardown_on_ctrl_c_and_sigterm(signum):
     try:
         assert len(made) == 3 and made <= namespaces()
         holder.send_signal(signum)
-        holder.wait(timeout=30)
+        wait_or_explain(holder, 30)
         assert not made & namespaces()
         assert ended(sleeper)
     finally:
