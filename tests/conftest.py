@@ -33,12 +33,18 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_TEST_WORKERS, os.cpu_count() or 1))
 
 
+SLOW_TEST_S = 10  # a slow test's time unless its marker says otherwise: @pytest.mark.slow(seconds=90)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Files with the most slow (multi-process) tests first: xdist's loadfile hands out files in this order,
-    so the long ones start at once and the quick in-process files fill the gaps at the end, instead of a
-    long file starting last and running alone (longest-processing-time-first scheduling)."""
-    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])  # stable: a file's tests keep their order
+    """The files with the longest slow (multi-process) tests first: xdist's loadfile hands out files in
+    this order, so the long ones start at once and the quick in-process files fill the gaps at the end,
+    instead of a long file starting last and running alone (longest-processing-time-first scheduling)."""
+    seconds: Counter = Counter()
+    for item in items:
+        if marker := item.get_closest_marker("slow"):
+            seconds[item.path] += marker.kwargs.get("seconds", SLOW_TEST_S)
+    items.sort(key=lambda item: -seconds[item.path])  # stable: a file's tests keep their order
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ from muloco.run.build import cpu_compiler
 from muloco.run.trainer import Trainer
 
 pytestmark = [
-    pytest.mark.slow,  # inductor compiles C++: ~40 s on 2 cores
+    pytest.mark.slow(seconds=60),  # inductor compiles C++: 40-65 s on 2 cores
     pytest.mark.skipif(cpu_compiler() is None, reason="torch.compile on the CPU needs a C++ compiler"),
 ]
 

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 
-@pytest.mark.slow  # four benchmark subprocesses: about a minute on 2 cores
+@pytest.mark.slow(seconds=30)  # four benchmark subprocesses: about a minute on 2 cores
 def test_gpu_check_smoke_runs_every_step_and_writes_its_summary(tmp_path):
     done = subprocess.run(
         ["bash", "experiments/gpu/check.sh", "--smoke", "--out", str(tmp_path)],

@@ -40,6 +40,18 @@ CASES = {
         False,
     ),
     "DDP fp32": (["method=dp", "inner.lr=0.02", "train.log_every=1"], 30, True),
+    # MuLoCo 4-bit above takes reduce_scatter too (`auto` at K = 4 with no overlap).
+    "MuLoCo 2-bit reduce-scatter": (
+        [
+            *FOUR_BIT[:1],
+            "compression.bits=2",
+            *FOUR_BIT[2:],
+            "inner.lr=0.02",
+            "sync.transport=reduce_scatter",
+        ],
+        150,
+        False,
+    ),
 }
 WARMUP = 5  # a per-step case's first steps, left out of its median
 # The probe's collectives: a small all-reduce (the stop agreement's) and all-gathers of a size exchange, a
@@ -137,6 +149,7 @@ def main() -> int:
     ap.add_argument("--rate-mbit", type=float, default=7.4, help="bench_wan.py --quick's ratio-50 link")
     ap.add_argument("--delay-ms", type=float, default=20.0)
     ap.add_argument("--probe-only", action="store_true", help="time the collectives, no training runs")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
     ap.add_argument("--out", type=Path, default=ROOT / "experiments/benchmarks/results/control_plane.json")
     args = ap.parse_args()
     reason = missing_requirements()
@@ -162,13 +175,18 @@ def main() -> int:
         k: subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", r], text=True).strip()
         for k, r in revs.items()
     }
-    results: dict = {case: {"old": [], "new": []} for case in CASES}
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        print(f"bench_control_plane: --cases: unknown {unknown}; choose from {list(CASES)}", file=sys.stderr)
+        return 2
+    results: dict = {case: {"old": [], "new": []} for case in cases}
     with tempfile.TemporaryDirectory() as tmp:
         trees = {k: worktree(shas[k], Path(tmp)) for k in revs}
         try:
             with Testbed(4, args.rate_mbit, args.delay_ms) as testbed:
                 for rep in range(args.repeats):
-                    for case in CASES:
+                    for case in cases:
                         for which in ("old", "new") if rep % 2 == 0 else ("new", "old"):
                             r = run_case(testbed, trees[which], case, Path(tmp) / "runs")
                             results[case][which].append(r)

@@ -20,22 +20,27 @@ from pathlib import Path
 
 from muloco.net.probe import time_collectives
 from muloco.net.testbed import Testbed, missing_requirements
-from muloco.net.wan import Link, allgather_seconds, allreduce_seconds
+from muloco.net.wan import Link, allgather_seconds, allreduce_seconds, reduce_scatter_seconds
 
 HERE = Path(__file__).resolve().parent
 WORKERS = 4
 PICO_PARAMS = 184_768  # configs/pico.yaml
 # (name, op, bytes per rank): DDP's and fp32 DiLoCo's all-reduce; a 4-bit pico message (all-gather) and
-# a fragment of it (streaming, P = 3); one float (the control plane's).
+# a fragment of it (streaming, P = 3); one float (the control plane's). Reduce-scatter: (name, op, message
+# bytes, owners' mean bytes) of the 4-bit and 2-bit rows (their counted bytes per sync, 3/4 (P + Q)).
 OPS = [
     ("all_reduce fp32 pico", "all_reduce", 4 * PICO_PARAMS),
     ("all_gather 4-bit pico", "all_gather", 110_424),
     ("all_gather 4-bit fragment", "all_gather", 36_808),
     ("all_reduce 1 float", "all_reduce", 4),
+    ("reduce_scatter 4-bit pico", "reduce_scatter", 110_004, 220_296),
+    ("reduce_scatter 2-bit pico", "reduce_scatter", 63_812, 110_104),
 ]
 
 
-def planned(link: Link, kind: str, size: int) -> float:
+def planned(link: Link, kind: str, size: int, *mean: int) -> float:
+    if kind == "reduce_scatter":
+        return reduce_scatter_seconds(link, size, mean[0], WORKERS)
     return (allreduce_seconds if kind == "all_reduce" else allgather_seconds)(link, size, WORKERS)
 
 
@@ -58,8 +63,8 @@ def main() -> int:
                 testbed.run(host.index, ["sysctl", "-qw", f"net.ipv4.tcp_slow_start_after_idle={restart}"])
             for pause in args.pause_s:
                 measured = time_collectives(testbed, OPS, pause)
-                for name, kind, size in OPS:
-                    plan = planned(link, kind, size)
+                for name, kind, size, *mean in OPS:
+                    plan = planned(link, kind, size, *mean)
                     rows.append(
                         {
                             "op": name,

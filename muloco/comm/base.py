@@ -49,9 +49,10 @@ class Backend(Protocol):
         capacity: a bound on every process's payload, the same on all (one collective instead of two)."""
         ...
 
-    def all_to_all_bytes(self, payloads: list[bytes]) -> Handle:
+    def all_to_all_bytes(self, payloads: list[bytes], capacities: list[int] | None = None) -> Handle:
         """Process i sends payloads[j] to process j (one per process, its own included); the handle
-        returns what every process sent to this one, in rank order."""
+        returns what every process sent to this one, in rank order. capacities: capacities[j] bounds what
+        any process sends to process j, the same list on all (one collective instead of two)."""
         ...
 
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> Handle:

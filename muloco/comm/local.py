@@ -17,7 +17,7 @@ class LocalBackend:
     def all_gather_bytes(self, payload: bytes, capacity: int | None = None) -> CompletedHandle:
         return CompletedHandle([payload])
 
-    def all_to_all_bytes(self, payloads: list[bytes]) -> CompletedHandle:
+    def all_to_all_bytes(self, payloads: list[bytes], capacities: list[int] | None = None) -> CompletedHandle:
         assert len(payloads) == 1, f"{len(payloads)=} but the local backend has one process"
         return CompletedHandle(list(payloads))
 

@@ -160,10 +160,22 @@ class TorchDistBackend:
         work = dist.all_gather(gathered, padded, group=self.group, async_op=True)
         return _BytesHandle(work, gathered, lengths)
 
-    def all_to_all_bytes(self, payloads: list[bytes]) -> _BytesHandle:
-        """Payloads of varying size, one per rank: exchange the sizes (small, blocking), then start one
-        all_to_all_single of the concatenated bytes with those splits (gloo and nccl both support it)."""
+    def all_to_all_bytes(self, payloads: list[bytes], capacities: list[int] | None = None) -> _BytesHandle:
+        """Payloads of varying size, one per rank, in one all_to_all_single of the concatenated bytes (gloo
+        and nccl both support it). With `capacities` (capacities[j] bounds what any rank sends rank j):
+        each payload framed to its bound, so every rank knows its splits. Without: the sizes first (small,
+        blocking: a round trip of its own over a slow link)."""
         assert len(payloads) == self.world_size, f"{len(payloads)=} {self.world_size=}"
+        if capacities is not None:
+            framed = [frame(p, cap) for p, cap in zip(payloads, capacities, strict=True)]
+            send = self._on_comm_device(torch.frombuffer(bytearray(b"".join(framed)), dtype=torch.uint8))
+            mine = len(framed[self.rank])
+            received = self._on_comm_device(torch.zeros(mine * self.world_size, dtype=torch.uint8))
+            splits = [len(f) for f in framed]
+            work = dist.all_to_all_single(
+                received, send, [mine] * self.world_size, splits, group=self.group, async_op=True
+            )
+            return _BytesHandle(work, list(received.split(mine)), None)
         sizes_out = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
         sizes_in = self._on_comm_device(torch.zeros_like(sizes_out))
         dist.all_to_all_single(sizes_in, self._on_comm_device(sizes_out), group=self.group)

@@ -97,10 +97,18 @@ rank, world, master, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys
 pause, ops = float(sys.argv[5]), json.loads(sys.argv[6])
 dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world)
 out = {}
-for name, kind, size in ops:
+def reduce_scatter(part, mean):
+    # As muloco/sync/reduce.py runs it: the parts to their owners (all-to-all), the owners' means gathered.
+    send = torch.zeros(part * world, dtype=torch.uint8)
+    dist.all_to_all_single(torch.empty_like(send), send, [part] * world, [part] * world)
+    means = torch.zeros(mean, dtype=torch.uint8)
+    dist.all_gather([torch.empty_like(means) for _ in range(world)], means)
+for name, kind, size, *mean in ops:
     if kind == "all_reduce":
         x = torch.zeros(max(1, size // 4))
         op = lambda x=x: dist.all_reduce(x)
+    elif kind == "reduce_scatter":
+        op = lambda p=max(1, size // world), q=max(1, mean[0] // world): reduce_scatter(p, q)
     else:
         x = torch.zeros(size, dtype=torch.uint8)
         op = lambda x=x: dist.all_gather([torch.empty_like(x) for _ in range(world)], x)
@@ -118,8 +126,9 @@ dist.destroy_process_group()
 """
 
 
-def time_collectives(testbed: Testbed, ops: list[tuple[str, str, int]], pause_s: float) -> dict[str, float]:
-    """Median seconds of each (name, all_reduce | all_gather, bytes per rank) over every host (gloo)."""
+def time_collectives(testbed: Testbed, ops: list[tuple], pause_s: float) -> dict[str, float]:
+    """Median seconds of each (name, all_reduce | all_gather, bytes per rank) or (name, reduce_scatter,
+    message bytes, owners' mean bytes) over every host (gloo)."""
     port, procs = str(free_port()), []
     for host in testbed.hosts:
         args = [str(host.index), str(len(testbed.hosts)), testbed.hosts[0].address, port, str(pause_s)]

@@ -11,8 +11,9 @@ collective is either byte-bound or latency-bound, not both (gloo/allgather.cc, g
   all-gather; Patarasuk & Yuan 2009); gloo splits it into 2K segments, two in flight: 2K round trips;
 - all-gather of compressed messages of P bytes each: (K-1) P bytes, K-1 round trips;
 - reduce-scatter of compressed parts (sync.transport: reduce_scatter; message P, owners' means Q): K-1 parts
-  of P / K sent directly to their owners (one round trip), then a ring all-gather of the K means of Q / K:
-  (K-1)/K (P + Q) bytes, 1 + (K-1) round trips.
+  of P / K sent directly to their owners (an all-to-all: one round trip), then a ring all-gather of the K
+  means of Q / K: (K-1)/K (P + Q) bytes, 1 + (K-1) round trips. Both are padded to bounds every node
+  computes alike (muloco/sync/reduce.py), so neither waits for an exchange of sizes first.
 
 Measured over the testbed (4 hosts, 20 ms one way; experiments/wan/probe_collectives.py, docs/wan.md): the
 all-reduce of pico's 739 KB took 310 ms at 350 Mbit/s (8 round trips: 320) and 1,344 ms at 6.89 Mbit/s
@@ -43,11 +44,13 @@ class Link:
     latency_ms: float = 0.0
     efficiency: float = TCP_PAYLOAD_EFFICIENCY  # payload bytes per byte on the wire
 
-    def seconds(self, bytes_sent: float, round_trips: int) -> float:
+    def seconds(self, bytes_sent: float, round_trips: float, serial_round_trips: float = 0.0) -> float:
         """A collective that sends `bytes_sent` per node in `round_trips`: its bytes or its round trips,
-        whichever take longer (the module's docstring)."""
+        whichever take longer (the module's docstring); plus `serial_round_trips` that no bytes overlap
+        (a blocking exchange of sizes before the data, a matchmaking round)."""
         payload_rate = self.bandwidth_mbps * 1e6 * self.efficiency
-        return max(8.0 * bytes_sent / payload_rate, round_trips * self.round_trip_s)
+        overlapped = max(8.0 * bytes_sent / payload_rate, round_trips * self.round_trip_s)
+        return serial_round_trips * self.round_trip_s + overlapped
 
     @property
     def round_trip_s(self) -> float:
@@ -198,16 +201,17 @@ class Workload:
     """A run up to some loss, as measured, for projecting its wall-clock onto any link (bench_wan.py).
 
     steps inner steps of step_compute_s each (one worker); syncs collectives on the link, each sending
-    bytes_per_sync per worker (as muloco counts them) in round_trips_per_sync; a sync overlaps
-    hidden_steps inner steps (Streaming DiLoCo's tau; 0 when the worker waits for it)."""
+    bytes_per_sync per worker (as muloco counts them) in round_trips_per_sync, after
+    serial_round_trips_per_sync that its bytes do not overlap (Link.seconds); a sync overlaps hidden_steps
+    inner steps (Streaming DiLoCo's tau; 0 when the worker waits for it)."""
 
     steps: int
     step_compute_s: float
     syncs: int
     bytes_per_sync: float
-    round_trips_per_sync: int
+    round_trips_per_sync: float
     hidden_steps: int = 0
-    fixed_s_per_sync: float = 0.0  # what a sync costs beyond bytes and latency (e.g. hivemind's matchmaking)
+    serial_round_trips_per_sync: float = 0.0
     # What a sync costs the worker with no link to pay (its codec and outer step, waiting for the slowest
     # process at the collective): measured on loopback; overlap does not hide it.
     local_s_per_sync: float = 0.0
@@ -216,7 +220,7 @@ class Workload:
 def wall_clock(work: Workload, link: Link) -> float:
     """Compute, every sync's local cost, and the part of its transfer that the overlapped steps do not
     hide."""
-    transfer = link.seconds(work.bytes_per_sync, work.round_trips_per_sync) + work.fixed_s_per_sync
+    transfer = link.seconds(work.bytes_per_sync, work.round_trips_per_sync, work.serial_round_trips_per_sync)
     hidden = work.hidden_steps * work.step_compute_s
     per_sync = work.local_s_per_sync + max(0.0, transfer - hidden)
     return work.steps * work.step_compute_s + work.syncs * per_sync

@@ -37,6 +37,11 @@ def pack(parts: list[bytes]) -> bytes:
     return _COUNT.pack(len(parts)) + lengths + b"".join(parts)
 
 
+def pack_bound(bounds: list[int]) -> int:
+    """Bytes `pack` of parts of at most `bounds` bytes each takes at most."""
+    return _COUNT.size + sum(_LEN.size + b for b in bounds)
+
+
 def unpack(blob: bytes) -> list[bytes]:
     """Split a message; any inconsistency raises CompressionError (checked before slicing)."""
     view = memoryview(blob)
@@ -167,4 +172,4 @@ class PseudogradientCodec:
         return 8.0 * (body + _COUNT.size + _LEN.size * len(shapes))
 
 
-__all__ = ["PseudogradientCodec", "decode_payloads", "is_skipped", "pack", "unpack"]
+__all__ = ["PseudogradientCodec", "decode_payloads", "is_skipped", "pack", "pack_bound", "unpack"]

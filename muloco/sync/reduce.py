@@ -32,7 +32,7 @@ from muloco.comm import (
 from muloco.comm.topology import Topology
 from muloco.compress import ErrorFeedback
 from muloco.errors import UserError
-from muloco.sync.codec import PseudogradientCodec, pack, unpack
+from muloco.sync.codec import PseudogradientCodec, pack, pack_bound, unpack
 from muloco.sync.scatter import PartitionedCodec
 
 
@@ -259,15 +259,19 @@ def _start_mean_partitioned(backend: Backend, c: Contribution, workers: int) -> 
     """Reduce-scatter (scatter.py): process m of W hosts replicas [m k, (m+1) k) (k = K / W) and owns their
     parts. Each process sends process q, for each part q owns, its healthy replicas' messages of that part
     (one all-to-all); when waited for, it averages the parts it owns and every process all-gathers the
-    owners' means (a second collective, at the same wait on every process) and decodes all of them."""
+    owners' means (a second collective, at the same wait on every process) and decodes all of them. Both
+    collectives are padded to bounds every process computes alike, so neither waits for an exchange of
+    sizes first (K round trips per sync over a slow link)."""
     codec, W = c.codec, backend.world_size
     k, rank = workers // W, backend.rank
     assert k * W == workers, f"{workers=} {W=}"
+    owned = [range(q * k, (q + 1) * k) for q in range(W)]
     by_replica = [codec.split(message) for message in c.messages]  # [replica][part]
-    outgoing = [
-        pack([pack([parts[j] for parts in by_replica]) for j in range(q * k, (q + 1) * k)]) for q in range(W)
-    ]
-    handle = backend.all_to_all_bytes(outgoing)
+    outgoing = [pack([pack([parts[j] for parts in by_replica]) for j in owned[q]]) for q in range(W)]
+    # Up to k healthy replicas' messages of each owned part.
+    to_owner = [pack_bound([pack_bound([codec.part_bound(j)] * k) for j in owned[q]]) for q in range(W)]
+    means_bound = max(pack_bound([codec.mean_bound(j) for j in owned[q]]) for q in range(W))
+    handle = backend.all_to_all_bytes(outgoing, capacities=to_owner)
     message_bytes = c.payload_bytes
 
     def finish(received: list[bytes]) -> Mean:
@@ -277,7 +281,8 @@ def _start_mean_partitioned(backend: Backend, c: Contribution, workers: int) -> 
             messages = [m for parts in from_processes for m in unpack(parts[i])]
             means.append(codec.average(rank * k + i, messages, c.owner_feedback[i], c.like))
         # Every process calls this all-gather at the same wait (syncs finish in the same order everywhere).
-        owners = [m for blob in backend.all_gather_bytes(pack(means)).wait() for m in unpack(blob)]
+        gathered = backend.all_gather_bytes(pack(means), capacity=means_bound).wait()
+        owners = [m for blob in gathered for m in unpack(blob)]
         values, contributors = codec.decode_means(owners, c.like)
         sent = reduce_scatter_bytes(message_bytes, sum(map(len, owners)), workers)
         return Mean(values, contributors, workers - contributors, sent)

@@ -27,7 +27,7 @@ import struct
 import torch
 
 from muloco.compress import CompressionError, Compressor, ErrorFeedback
-from muloco.sync.codec import PseudogradientCodec, decode_payloads, pack, unpack
+from muloco.sync.codec import PseudogradientCodec, decode_payloads, pack, pack_bound, unpack
 from muloco.sync.parts import Piece, assign_parts
 
 log = logging.getLogger("muloco")
@@ -73,6 +73,19 @@ class PartitionedCodec:
                     payloads.append(comp.encode(rows))
             messages.append(pack(payloads))
         return pack(messages)
+
+    def part_bound(self, part: int) -> int:
+        """Bytes one replica's message of part `part` takes at most (payload_nbytes: exact, an upper bound
+        for topk): the same on every process, so the scatter needs no exchange of sizes first."""
+        return pack_bound([self._piece_bytes(p, self.codec.compressors) for p in self.parts[part]])
+
+    def mean_bound(self, part: int) -> int:
+        """Bytes part `part`'s owner's mean message takes at most (its count, then its pieces)."""
+        pieces = [self._piece_bytes(p, self.mean_compressors) for p in self.parts[part]]
+        return pack_bound([_COUNT.size, *pieces])
+
+    def _piece_bytes(self, piece: Piece, compressors: list[Compressor]) -> int:
+        return compressors[piece.tensor].payload_nbytes(tuple(piece.shape(self.shapes[piece.tensor])))
 
     def split(self, message: bytes) -> list[bytes]:
         """A replica's message -> its K part messages."""

@@ -1,5 +1,6 @@
-"""The torch backend's all-gather of byte payloads: with a bound on every payload (what a compressed sync
-knows from its codec) it is one collective, and returns what the two-collective form returns."""
+"""The torch backend's all-gather and all-to-all of byte payloads: with a bound on every payload (what a
+compressed sync knows from its codec) each is one collective, and returns what the two-collective form
+returns."""
 
 import json
 import os
@@ -16,7 +17,7 @@ RANK_SCRIPT = Path(__file__).with_name("gather_bytes_rank.py")
 
 
 # Time (~6 s): three gloo processes on loopback.
-def test_a_bounded_all_gather_returns_every_payload_in_rank_order():
+def test_bounded_all_gather_and_all_to_all_return_every_payload_in_rank_order():
     env = {**os.environ, "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ranks = [
         subprocess.Popen(

@@ -111,10 +111,10 @@ def test_links_are_solved_byte_bound_and_a_delay_too_long_for_the_ratio_is_lower
     assert refused["latency_ms_max"] == 3  # 8 x 2 x 3 ms = 48 ms <= 50 ms; 4 ms would be 64 ms
 
 
-@pytest.mark.slow
+# Time (~100 s alone, up to 170 s beside another file): DDP's 60-step curve and MuLoCo 4-bit's at 2x on
+# loopback, then DDP's window and MuLoCo's 120 steps over one 4-host link (ratio 50, 20 ms one way).
+@pytest.mark.slow(seconds=150)
 @pytest.mark.skipif(REASON is not None, reason=f"the testbed: {REASON}")
-# Time (~90 s): DDP's 60-step curve and MuLoCo 4-bit's at 1x and 2x on loopback, then DDP's window and
-# MuLoCo's 120 steps over one 4-host link (ratio 50, 20 ms one way).
 def test_the_quick_benchmark_measures_both_rows_over_one_link(tmp_path):
     out = tmp_path / "wan.json"
     cmd = [sys.executable, "experiments/wan/bench_wan.py", "--quick", "--workdir", str(tmp_path / "runs")]
@@ -133,7 +133,7 @@ def test_the_quick_benchmark_measures_both_rows_over_one_link(tmp_path):
     assert set(rows) == {"ddp", "muloco_4bit"}
     ddp, muloco = rows["ddp"], rows["muloco_4bit"]
     # DDP's own final loss is the target: its curve reaches it at its last step, timed from its window.
-    assert ddp["steps_to_target"] == 60 and ddp["window_steps"] == 12
+    assert ddp["steps_to_target"] == 60 and ddp["window_steps"] == 6
     assert ddp["s_to_target"] == pytest.approx(ddp["step_s"] * 60)
     assert (
         ddp["ratio_measured"] > 5 and 0.5 < ddp["wait_fraction"] < 1

@@ -47,8 +47,8 @@ def test_a_workloads_wall_clock_is_compute_plus_what_overlap_does_not_hide():
     assert wall_clock(replace(work, hidden_steps=10), link) == pytest.approx(0.3)
     # A latency-bound sync: 1 KB in 6 round trips, 0.12 s.
     assert wall_clock(replace(work, bytes_per_sync=1e3, round_trips_per_sync=6), link) == pytest.approx(0.54)
-    # What a sync costs beyond bytes and latency (matchmaking) is paid like them.
-    assert wall_clock(replace(work, fixed_s_per_sync=0.04), link) == pytest.approx(0.3 + 2 * 0.14)
+    # Round trips that its bytes do not overlap (a blocking exchange of sizes, matchmaking) add to them.
+    assert wall_clock(replace(work, serial_round_trips_per_sync=2), link) == pytest.approx(0.3 + 2 * 0.14)
     # Its local cost (codec, outer step, waiting for the slowest process) is paid even when tau hides the
     # transfer.
     hidden = replace(work, hidden_steps=10, local_s_per_sync=0.02)

@@ -70,7 +70,7 @@ def test_sweep_end_to_end_then_resume(tmp_path, write_sweep):
     assert again.returncode == 0 and "completed_before=2 to_run=0" in again.stderr
 
 
-@pytest.mark.slow  # 36 runs of a micro model, 2 at a time: ~2 min on 2 cores (the flagship's quick variant)
+@pytest.mark.slow(seconds=60)  # 36 runs of a micro model, 2 at a time: ~2 min on 2 cores (flagship quick)
 def test_the_flagship_sweeps_quick_variant_ends_in_a_tuned_report(tmp_path):
     """configs/sweeps/inner_optimizers_quick.yaml, as shipped but for where its runs go: every run completes,
     and the report holds the tuned comparison, a row per optimizer and K, each against DP over both seeds."""

@@ -55,6 +55,35 @@ def test_with_exact_compressors_reduce_scatter_equals_all_gather_bit_for_bit(K):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(
+    "scheme, options, exact",
+    [
+        ("statistical", {"bits": 4}, True),
+        ("statistical", {"bits": 2}, True),
+        ("linear", {"bits": 8, "granularity": "block", "block_size": 16}, True),
+        ("none", {}, True),
+        ("topk", {"topk_fraction": 0.1}, False),
+    ],
+)
+@pytest.mark.parametrize("K", [3, 4])
+def test_every_processes_bounds_hold_each_part_and_mean_message(scheme, options, exact, K):
+    """The reduce-scatter pads both of its collectives to part_bound and mean_bound instead of exchanging
+    sizes first: each part message and each owner's mean fits its bound, exactly for the fixed-size
+    schemes (no padding on the wire)."""
+    codec, partitioned = codecs(scheme, K, **options)
+    torch.manual_seed(K)
+    like = [torch.zeros(s) for s in SHAPES]
+    messages = [partitioned.encode([torch.randn(s) for s in SHAPES]) for _ in range(K)]
+    for j in range(K):
+        parts = [partitioned.split(m)[j] for m in messages]
+        mean = partitioned.average(j, parts, None, like)
+        for got, bound in [
+            *((len(p), partitioned.part_bound(j)) for p in parts),
+            (len(mean), partitioned.mean_bound(j)),
+        ]:
+            assert got == bound if exact else got <= bound
+
+
 def test_owner_error_feedback_resends_what_the_second_quantization_dropped():
     """Exact parts, a 4-bit second stage: applying the same mean n times, the owners' error feedback
     (decay = alpha = 1) keeps the total within one quantization error of n x mean; without it the error
