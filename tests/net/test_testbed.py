@@ -166,8 +166,9 @@ HOLDER = textwrap.dedent("""
     import faulthandler, signal, sys, time
     from muloco.net.testbed import Testbed
     faulthandler.register(signal.SIGUSR1)  # where it is stuck, if a test asks (wait_or_explain)
-    # Ctrl+C as a terminal's process gets it: Python leaves SIGINT ignored when its parent did (a suite's
-    # worker can inherit that; CI saw the holder sleep on through SIGINT), and this test is about Ctrl+C.
+    # Ctrl+C as a terminal's process gets it: Python leaves SIGINT ignored when its parent did, and a
+    # non-interactive shell starts a background job (`cmd &`) with SIGINT ignored (POSIX), which the whole
+    # suite then inherits (CI saw the holder sleep on through SIGINT); this test is about Ctrl+C.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with Testbed(2, 10) as testbed:
         sleeper = testbed.popen(0, ["sleep", "120"])
