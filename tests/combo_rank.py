@@ -19,6 +19,7 @@ RENDEZVOUS_DIR/<case>.rank<RANK>.rc. Every wait here is bounded (WAIT_S), so a r
 from __future__ import annotations
 
 import ast
+import faulthandler
 import json
 import logging
 import os
@@ -172,6 +173,7 @@ def train_with_the_api(backend: str, rank: int, world: int, case: dict, rendezvo
 
 
 def main() -> None:
+    faulthandler.enable()  # a rank that crashes in native code says where
     backend, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     plan, rendezvous = json.loads(Path(sys.argv[4]).read_text()), Path(sys.argv[5])
     # As `muloco train` sets it up, before any handler of ours is added (basicConfig then does nothing).

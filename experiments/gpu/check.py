@@ -53,7 +53,20 @@ def environment() -> dict:
 def steps(smoke: bool, out: Path) -> list[tuple[str, list[str], int]]:
     """(name, command, time limit in s) per step."""
     py = sys.executable
-    pytest = [py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "cuda")]
+    # -n 0: one process (pyproject's -n auto would start a worker per core, each importing torch, for one GPU)
+    pytest = [
+        py,
+        "-m",
+        "pytest",
+        "-m",
+        "cuda",
+        "-q",
+        "-n",
+        "0",
+        "-p",
+        "no:cacheprovider",
+        str(ROOT / "tests" / "cuda"),
+    ]
     if smoke:
         sim = ["--device", "cpu", "--in-process", "--steps", "3", "--repeats", "1", "--seqs", "1"]
         return [

@@ -5,6 +5,8 @@ first optimizer imports it) and muloco; a sweep of 36 small runs, or a launch of
 `start_muloco` instead asks a small server, started once per calling process, to fork the run from a copy
 that has those modules imported (the zygote pattern: multiprocessing's forkserver, Android's zygote). The
 server never runs a torch op, so no thread pool or device context is copied into the children.
+`start_script` does the same for `python SCRIPT` (the tests' multi-rank helper, tests/combo_rank.py), and
+`netns=` puts a child in a network namespace (the testbed's hosts, muloco/net/testbed.py).
 
 What a fresh process would set up from its environment, the child sets up itself: the environment, working
 directory, stdin/stdout/stderr, session, parent-death signal, thread count (OMP_NUM_THREADS), buffering
@@ -184,31 +186,54 @@ def start_muloco(
     stderr: Any = None,
     new_session: bool = False,
     die_with_parent: bool = False,
+    netns: str | None = None,
 ) -> PreloadedProcess | subprocess.Popen:
     """`python -m muloco ARGS` as a child of the preloaded server (a plain process where it cannot be: see
     the module's doc, or when the server cannot be reached). stdout/stderr as subprocess takes them: None
     (inherit), PIPE (text), STDOUT (for stderr), DEVNULL, a file object or a descriptor. stdin is
-    /dev/null."""
+    /dev/null. netns: run it in that network namespace (`ip netns exec NETNS`'s network, the testbed's
+    hosts)."""
+    return _start(None, args, env, cwd, stdout, stderr, new_session, die_with_parent, netns)
+
+
+def start_script(
+    script: str | Path,
+    args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    die_with_parent: bool = False,
+) -> PreloadedProcess | subprocess.Popen:
+    """`python SCRIPT ARGS` as a child of the preloaded server (as start_muloco; the tests' helper
+    processes that import torch and muloco, e.g. tests/combo_rank.py)."""
+    return _start(str(script), args, env, None, stdout, stderr, False, die_with_parent, None)
+
+
+def _start(script, args, env, cwd, stdout, stderr, new_session, die_with_parent, netns):
     args = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
-    how = (args, env, cwd, stdout, stderr, new_session, die_with_parent)
+    how = (script, args, env, cwd, stdout, stderr, new_session, die_with_parent, netns)
+    what = script or " ".join(["muloco", *args[:1]])
     differs = differs_at_import(env, _CLIENT.env or dict(os.environ))
     if not enabled() or _CLIENT.broken or differs is not None:
         if differs is not None:
-            log.debug("a plain process for `muloco %s`: %s differs from the server's", args[:1], differs)
+            log.debug("a plain process for `%s`: %s differs from the server's", what, differs)
         return _plain(*how)
     try:
         return _forked(*how)
     except OSError as exc:  # the server died or could not fork: a plain process does the same work
-        log.warning("starting `muloco %s` as a plain process: %s", " ".join(args[:1]), exc)
+        log.warning("starting `%s` as a plain process: %s", what, exc)
         return _plain(*how)
 
 
-def _plain(args, env, cwd, stdout, stderr, new_session, die_with_parent) -> subprocess.Popen:
+def _plain(script, args, env, cwd, stdout, stderr, new_session, die_with_parent, netns) -> subprocess.Popen:
     from muloco.net.launch import sigterm_when_parent_dies
 
+    inside = ["ip", "netns", "exec", netns] if netns else []
+    program = [script] if script else ["-m", "muloco"]
     return subprocess.Popen(
-        [sys.executable, "-m", "muloco", *args],
+        [*inside, sys.executable, *program, *args],
         env=env,
         cwd=cwd,
         stdin=subprocess.DEVNULL,
@@ -220,7 +245,7 @@ def _plain(args, env, cwd, stdout, stderr, new_session, die_with_parent) -> subp
     )
 
 
-def _forked(args, env, cwd, stdout, stderr, new_session, die_with_parent) -> PreloadedProcess:
+def _forked(script, args, env, cwd, stdout, stderr, new_session, die_with_parent, netns) -> PreloadedProcess:
     opened: list[int] = []  # descriptors made here, closed once the server holds its copies
     readers: dict[str, IO] = {}
 
@@ -245,11 +270,13 @@ def _forked(args, env, cwd, stdout, stderr, new_session, die_with_parent) -> Pre
         err_fd = out_fd if stderr == subprocess.STDOUT else target("stderr", stderr, 2)
         in_fd = target("stdin", subprocess.DEVNULL, 0)
         payload = {
+            "script": script,
             "argv": args,
             "env": env,
             "cwd": str(cwd or os.getcwd()),
             "new_session": new_session,
             "die_with_parent": die_with_parent,
+            "netns": netns,
         }
         pid = _CLIENT.request(payload, [in_fd, out_fd, err_fd, status_write])
     except BaseException:
@@ -260,7 +287,8 @@ def _forked(args, env, cwd, stdout, stderr, new_session, die_with_parent) -> Pre
     finally:
         for fd in opened:
             os.close(fd)
-    return PreloadedProcess(["muloco", *args], pid, status_read, readers.get("stdout"), readers.get("stderr"))
+    command = [script] if script else ["muloco"]
+    return PreloadedProcess([*command, *args], pid, status_read, readers.get("stdout"), readers.get("stderr"))
 
 
 # ---- the server (python -m muloco.net.preloaded FD) ----
@@ -356,7 +384,8 @@ def _fork_child(request: dict, fds: list[int], sock: socket.socket, wake: tuple[
 
 
 def _run_child(request: dict, fds: list[int]) -> int:
-    """In the forked child: become what `python -m muloco ARGV` would be, run it, exit as it would."""
+    """In the forked child: become what `python -m muloco ARGV` (or `python SCRIPT ARGV`) would be, run it,
+    exit as it would."""
     import importlib
 
     signal.set_wakeup_fd(-1)
@@ -374,6 +403,8 @@ def _run_child(request: dict, fds: list[int]) -> int:
     for fd in set(fds):
         if fd > 2:
             os.close(fd)
+    if request.get("netns"):  # after the descriptors: a failure is reported in the caller's log
+        _enter_network_namespace(request["netns"])
     os.chdir(request["cwd"])
     sys.path[0] = os.getcwd()  # `python -m` puts the working directory first (a factory module there)
     importlib.invalidate_caches()  # files written since the server's imports (a test's factory module)
@@ -385,13 +416,29 @@ def _run_child(request: dict, fds: list[int]) -> int:
         import torch
 
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-    import muloco.cli
+    if request.get("script"):
+        import runpy
 
-    sys.argv = [str(Path(muloco.cli.__file__).with_name("__main__.py")), *request["argv"]]
-    _set_title(request["argv"])
+        script = request["script"]
+        sys.argv = [script, *request["argv"]]
+        sys.path[0] = str(Path(script).resolve().parent)  # `python SCRIPT` puts the script's folder first
+        _set_title(sys.argv)
+
+        def main() -> int:
+            runpy.run_path(script, run_name="__main__")
+            return 0
+    else:
+        import muloco.cli
+
+        sys.argv = [str(Path(muloco.cli.__file__).with_name("__main__.py")), *request["argv"]]
+        _set_title(["-m", "muloco", *request["argv"]])
+
+        def main() -> int:
+            return muloco.cli.main(request["argv"])
+
     code = 1
     try:
-        code = muloco.cli.main(request["argv"])
+        code = main()
     except SystemExit as exc:  # argparse's usage errors, sys.exit in a command
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, int | None):
@@ -413,6 +460,29 @@ def _run_child(request: dict, fds: list[int]) -> int:
     return code
 
 
+CLONE_NEWNET = 0x40000000  # <sched.h>
+NETNS_DIR = "/var/run/netns"  # where `ip netns add` keeps a namespace (iproute2's NETNS_RUN_DIR)
+
+
+def _enter_network_namespace(name: str) -> None:
+    """Join the named network namespace, as `ip netns exec` does for the network (its other steps, a mount
+    namespace with /etc/netns files and /sys remounted, nothing here reads). Before any socket exists: a
+    socket keeps the namespace it was made in."""
+    fd = os.open(f"{NETNS_DIR}/{name}", os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):  # Python >= 3.12
+            os.setns(fd, CLONE_NEWNET)
+            return
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"cannot enter network namespace {name}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
 def _fresh_streams(unbuffered: bool) -> None:
     """sys.stdout/stderr on the new descriptors 1 and 2, buffered as a fresh interpreter buffers them."""
     import io
@@ -431,7 +501,7 @@ def _fresh_streams(unbuffered: bool) -> None:
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False), encoding="utf-8")
 
 
-def _set_title(argv: list[str]) -> None:
+def _set_title(command: list[str]) -> None:
     """`ps` and /proc/PID/cmdline show the run as the shell command that would start it fresh, led by its
     rank's variables (LOCAL_RANK=1 RANK=1 python -m muloco train ...), not as the server's command."""
     try:
@@ -439,7 +509,7 @@ def _set_title(argv: list[str]) -> None:
     except ImportError:  # a dependency; without it the title stays the server's
         return
     ranks = [f"{name}={os.environ[name]}" for name in ("LOCAL_RANK", "RANK") if name in os.environ]
-    setproctitle.setproctitle(" ".join([*ranks, sys.executable, "-m", "muloco", *argv]))
+    setproctitle.setproctitle(" ".join([*ranks, sys.executable, *command]))
 
 
 def _reseed() -> None:

@@ -1,9 +1,11 @@
 """muloco processes forked from the preloaded server behave as fresh `python -m muloco` processes."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -71,6 +73,38 @@ def test_exit_codes_and_output_are_the_fresh_processs(tmp_path):
         )
     assert good.wait(timeout=60) == 0
     assert "workers: 2" in log.read_text()
+
+
+def test_a_script_runs_as_python_script_would(tmp_path, monkeypatch):
+    """start_script: `python SCRIPT ARGS` forked from the server, as a plain process (MULOCO_PRELOAD=0) runs
+    it: as __main__ with its arguments and its own folder first on sys.path, its exit code and output the
+    caller's, and an exception's traceback on stderr with exit code 1."""
+    script = tmp_path / "tool" / "show.py"
+    script.parent.mkdir()
+    (script.parent / "beside.py").write_text("WHERE = 'beside the script'\n")
+    script.write_text(
+        textwrap.dedent(
+            """
+            import json, sys
+            import beside
+            if sys.argv[1] == "raise":
+                raise ValueError("on purpose")
+            print(json.dumps([__name__, sys.argv[1:], beside.WHERE]))
+            sys.exit(int(sys.argv[2]))
+            """
+        )
+    )
+    seen = []
+    for preload in ("1", "0"):
+        monkeypatch.setenv("MULOCO_PRELOAD", preload)
+        proc = preloaded.start_script(script, ["show", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=120)
+        assert isinstance(proc, PreloadedProcess) == (preload == "1")
+        seen.append((proc.returncode, json.loads(out)))
+        failed = preloaded.start_script(script, ["raise"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, err = failed.communicate(timeout=120)
+        assert failed.returncode == 1 and err.strip().splitlines()[-1] == "ValueError: on purpose"
+    assert seen[0] == seen[1] == (3, ["__main__", ["show", "3"], "beside the script"])
 
 
 def test_signals_reach_the_child_and_its_code_reports_them(tmp_path):

@@ -140,6 +140,30 @@ def test_the_delay_line_adds_its_delay_both_ways_and_carries_the_rate():
     assert not made & namespaces()
 
 
+@needs_netns
+def test_a_process_that_enters_a_hosts_namespace_has_that_hosts_network():
+    """What a run forked from the preloaded server does on a testbed host (Testbed.start_muloco): it joins
+    the host's network namespace, so it sees the host's eth0 and address, not this machine's interfaces."""
+    enter = textwrap.dedent(
+        """
+        import socket, subprocess, sys
+        from muloco.net.preloaded import _enter_network_namespace
+        _enter_network_namespace(sys.argv[1])
+        print(sorted(name for _, name in socket.if_nameindex()))
+        print(subprocess.run(["ip", "-4", "-o", "addr", "show", "eth0"], capture_output=True).stdout.decode())
+        """
+    )
+    with Testbed(2, 100) as testbed:
+        host = testbed.hosts[1]
+        done = subprocess.run(
+            [sys.executable, "-c", enter, host.netns], capture_output=True, text=True, timeout=30, cwd=ROOT
+        )
+        assert done.returncode == 0, done.stderr
+        interfaces, addresses = done.stdout.split("\n", 1)
+        assert interfaces == "['eth0', 'lo']"
+        assert f"inet {host.address}/" in addresses
+
+
 def hub_links(testbed: Testbed) -> str:
     return subprocess.run(
         ["ip", "-n", testbed.hub, "link", "show"], capture_output=True, text=True, timeout=20
@@ -377,8 +401,7 @@ def test_torchft_workers_on_separate_hosts_survive_a_death_and_rejoin_live(tmp_p
             ]
             env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
             with open(tmp_path / f"{name}.log", "w") as log:
-                cmd = [sys.executable, "-m", "muloco", "train", config, *common, *overrides]
-                return testbed.popen(host, cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+                return testbed.start_muloco(host, ["train", config, *common, *overrides], env, log)
 
         workers = [start(host, f"ft-worker{host}") for host in range(3)]
         victim = tmp_path / "ft-worker2"
