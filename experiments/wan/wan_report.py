@@ -13,12 +13,15 @@ import statistics
 from functools import cache
 from pathlib import Path
 
+from wan_rows import ROWS
+
+from muloco.config.sections import DEFAULT_MEAN_BITS
 from muloco.net.wan import (
     Link,
     Workload,
     allgather_round_trips,
     allreduce_round_trips,
-    reduce_scatter_round_trips,
+    reduce_scatter_phases,
     wall_clock,
 )
 
@@ -26,7 +29,7 @@ WORKERS = 4
 ROUND_TRIPS = {
     "all_reduce": allreduce_round_trips(WORKERS),
     "all_gather": allgather_round_trips(WORKERS),
-    "reduce_scatter": reduce_scatter_round_trips(WORKERS),
+    "reduce_scatter": 1 + (WORKERS - 1),  # its two collectives' (sync_phases)
 }
 # A hivemind sync's local cost and the round trips of its matchmaking and streams, measured over the
 # testbed at several delays (probe_hivemind.py): gloo's model does not describe it.
@@ -52,6 +55,18 @@ def round_trips_per_sync(row: dict) -> tuple[float, float]:
     return ROUND_TRIPS[transport], 0
 
 
+def sync_phases(row: dict) -> tuple[tuple[float, float], ...]:
+    """A reduce_scatter row's two collectives as shares of its counted bytes: the parts at the row's bits,
+    the owners' means at their default bits (compression.mean_bits; row scales left out, ~1%); their times
+    add (muloco.net.wan.reduce_scatter_phases). Others: one collective."""
+    if row["per_step"] or row["backend"] == "hivemind" or row["transport"] != "reduce_scatter":
+        return ()
+    bits = next(int(o.split("=")[1]) for o in ROWS[row["key"]].overrides if o.startswith("compression.bits="))
+    phases = reduce_scatter_phases(WORKERS, bits, DEFAULT_MEAN_BITS[bits])
+    total = sum(sent for sent, _ in phases)
+    return tuple((sent / total, trips) for sent, trips in phases)
+
+
 def workload(row: dict, steps: int, syncs: int, bytes_sent: float) -> Workload:
     """`row`'s run up to `steps` inner steps with `syncs` syncs that sent `bytes_sent` per worker."""
     rounds, serial = round_trips_per_sync(row)
@@ -66,6 +81,7 @@ def workload(row: dict, steps: int, syncs: int, bytes_sent: float) -> Workload:
         hidden_steps=row.get("overlap", 0),
         serial_round_trips_per_sync=serial,
         local_s_per_sync=local,
+        phases=sync_phases(row),
     )
 
 

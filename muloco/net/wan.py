@@ -11,9 +11,11 @@ collective is either byte-bound or latency-bound, not both (gloo/allgather.cc, g
   all-gather; Patarasuk & Yuan 2009); gloo splits it into 2K segments, two in flight: 2K round trips;
 - all-gather of compressed messages of P bytes each: (K-1) P bytes, K-1 round trips;
 - reduce-scatter of compressed parts (sync.transport: reduce_scatter; message P, owners' means Q): K-1 parts
-  of P / K sent directly to their owners (an all-to-all: one round trip), then a ring all-gather of the K
-  means of Q / K: (K-1)/K (P + Q) bytes, 1 + (K-1) round trips. Both are padded to bounds every node
-  computes alike (muloco/sync/reduce.py), so neither waits for an exchange of sizes first.
+  of P / K sent directly to their owners (an all-to-all: (K-1)/K P bytes, one round trip), then a ring
+  all-gather of the K means of Q / K ((K-1)/K Q bytes, K-1 round trips). The two run one after the other
+  (an owner reduces its parts between them), so each is byte- or latency-bound on its own and their times
+  add. Both are padded to bounds every node computes alike (muloco/sync/reduce.py), so neither waits for
+  an exchange of sizes first.
 
 Measured over the testbed (4 hosts, 20 ms one way; experiments/wan/probe_collectives.py, docs/wan.md): the
 all-reduce of pico's 739 KB took 310 ms at 350 Mbit/s (8 round trips: 320) and 1,344 ms at 6.89 Mbit/s
@@ -66,8 +68,13 @@ def allgather_round_trips(workers: int) -> int:
     return workers - 1
 
 
-def reduce_scatter_round_trips(workers: int) -> int:
-    return 1 + (workers - 1)
+def reduce_scatter_phases(
+    workers: int, message_bytes: float, mean_bytes: float
+) -> tuple[tuple[float, int], ...]:
+    """(bytes one node sends, round trips) of reduce_scatter's two collectives, in their order: the parts
+    to their owners, then the owners' means (the module's docstring)."""
+    share = (workers - 1) / workers
+    return ((share * message_bytes, 1), (share * mean_bytes, workers - 1))
 
 
 def allreduce_seconds(link: Link, payload_bytes: float, workers: int) -> float:
@@ -83,10 +90,13 @@ def allgather_seconds(link: Link, payload_bytes: float, workers: int) -> float:
 
 
 def reduce_scatter_seconds(link: Link, message_bytes: float, mean_bytes: float, workers: int) -> float:
+    """Its two collectives' times added, each its bytes or its round trips. Over the testbed (4 hosts,
+    6.33 Mbit/s, 20 ms one way; probe_collectives.py, docs/wan.md) the 2-bit pico sync took 210 ms: this
+    183 ms, one max over both collectives 172 ms (its means' all-gather is latency-bound, its parts not)."""
     if workers <= 1:
         return 0.0
-    sent = reduce_scatter_bytes(message_bytes, mean_bytes, workers)
-    return link.seconds(sent, reduce_scatter_round_trips(workers))
+    phases = reduce_scatter_phases(workers, message_bytes, mean_bytes)
+    return sum(link.seconds(sent, round_trips) for sent, round_trips in phases)
 
 
 def sync_seconds(
@@ -215,12 +225,23 @@ class Workload:
     # What a sync costs the worker with no link to pay (its codec and outer step, waiting for the slowest
     # process at the collective): measured on loopback; overlap does not hide it.
     local_s_per_sync: float = 0.0
+    # Collectives a sync runs one after another, as (share of bytes_per_sync, round trips) each, their times
+    # added (reduce_scatter: the parts, then the owners' means); empty: one of round_trips_per_sync.
+    phases: tuple[tuple[float, float], ...] = ()
+
+
+def transfer_seconds(work: Workload, link: Link) -> float:
+    """One sync's time on `link`: its collectives one after another, after its serial round trips."""
+    if not work.phases:
+        return link.seconds(work.bytes_per_sync, work.round_trips_per_sync, work.serial_round_trips_per_sync)
+    collectives = sum(link.seconds(share * work.bytes_per_sync, trips) for share, trips in work.phases)
+    return work.serial_round_trips_per_sync * link.round_trip_s + collectives
 
 
 def wall_clock(work: Workload, link: Link) -> float:
     """Compute, every sync's local cost, and the part of its transfer that the overlapped steps do not
     hide."""
-    transfer = link.seconds(work.bytes_per_sync, work.round_trips_per_sync, work.serial_round_trips_per_sync)
+    transfer = transfer_seconds(work, link)
     hidden = work.hidden_steps * work.step_compute_s
     per_sync = work.local_s_per_sync + max(0.0, transfer - hidden)
     return work.steps * work.step_compute_s + work.syncs * per_sync

@@ -35,6 +35,14 @@ def test_a_collective_takes_its_bytes_or_its_round_trips_whichever_is_longer():
     assert allreduce_seconds(link, 1e3, 4) == pytest.approx(8 * 0.02)
     assert allgather_seconds(link, 1e3, 4) == pytest.approx(3 * 0.02)
     assert reduce_scatter_seconds(link, 1e3, 1e3, 4) == pytest.approx(4 * 0.02)
+    # Its two collectives run one after the other, each bound on its own: at 40 ms round trips, 1 MB parts
+    # (3/4 MB = 6 Mbit: 60 ms, more than their 1 round trip) then 1 MB means (60 ms of bytes, less than
+    # their 3 round trips: 120 ms): 180 ms, where one max over both would say 160.
+    far = Link(bandwidth_mbps=100, latency_ms=20, efficiency=1.0)
+    assert reduce_scatter_seconds(far, 1e6, 1e6, 4) == pytest.approx(0.06 + 0.12)
+    work = Workload(steps=1, step_compute_s=0.0, syncs=1, bytes_per_sync=1.5e6, round_trips_per_sync=4)
+    assert wall_clock(replace(work, phases=((0.5, 1), (0.5, 3))), far) == pytest.approx(0.18)
+    assert wall_clock(work, far) == pytest.approx(0.16)
 
 
 def test_a_workloads_wall_clock_is_compute_plus_what_overlap_does_not_hide():
