@@ -256,7 +256,7 @@ def measure(row: Row, link: dict, curve: dict, run: dict, target: float) -> dict
             run_steps=final["summary"]["inner_steps"],
             run_syncs=final["summary"]["inner_steps"],
             run_bytes_per_worker=final["summary"]["bytes_sent_per_worker"],
-            allreduces_per_step=3 if "dp.comm_hook=powersgd" in row.overrides else 1,
+            allreduces_per_step=3 if row.override("dp.comm_hook") == "powersgd" else 1,
             ratio_measured=(step_s - compute) / compute,
         )
         out["bytes_to_target"] = out["run_bytes_per_worker"] * (steps or out["run_steps"]) / out["run_steps"]

@@ -29,7 +29,8 @@ WORKERS = 4
 ROUND_TRIPS = {
     "all_reduce": allreduce_round_trips(WORKERS),
     "all_gather": allgather_round_trips(WORKERS),
-    "reduce_scatter": 1 + (WORKERS - 1),  # its two collectives' (sync_phases)
+    # its two collectives' (sync_phases); round trips do not depend on the bytes
+    "reduce_scatter": sum(trips for _, trips in reduce_scatter_phases(WORKERS, 1, 1)),
 }
 # A hivemind sync's local cost and the round trips of its matchmaking and streams, measured over the
 # testbed at several delays (probe_hivemind.py): gloo's model does not describe it.
@@ -61,7 +62,7 @@ def sync_phases(row: dict) -> tuple[tuple[float, float], ...]:
     add (muloco.net.wan.reduce_scatter_phases). Others: one collective."""
     if row["per_step"] or row["backend"] == "hivemind" or row["transport"] != "reduce_scatter":
         return ()
-    bits = next(int(o.split("=")[1]) for o in ROWS[row["key"]].overrides if o.startswith("compression.bits="))
+    bits = int(ROWS[row["key"]].override("compression.bits"))
     phases = reduce_scatter_phases(WORKERS, bits, DEFAULT_MEAN_BITS[bits])
     total = sum(sent for sent, _ in phases)
     return tuple((sent / total, trips) for sent, trips in phases)

@@ -29,6 +29,10 @@ class Row:
     twin: str | None = None  # the torch row with the same math: its loopback curve picks this row's horizon
     kill_at: float | None = None  # torchft: SIGKILL one worker at this fraction of the run, restart it
 
+    def override(self, name: str) -> str | None:
+        """The value this row sets for config field `name` (e.g. "compression.bits"), or None."""
+        return next((o.split("=", 1)[1] for o in self.overrides if o.split("=", 1)[0] == name), None)
+
     @property
     def curve_row(self) -> str:
         return self.twin or self.key
@@ -37,7 +41,7 @@ class Row:
     def warmup_steps(self) -> int:
         """Steps a window over a link leaves out of its median: the first ones warm up, and PowerSGD runs
         plain all-reduces until dp.powersgd_start_step (10, torch's default start_powerSGD_iter)."""
-        return 15 if "dp.comm_hook=powersgd" in self.overrides else 5
+        return 15 if self.override("dp.comm_hook") == "powersgd" else 5
 
 
 # Under this schedule (configs/sweeps/wan_tune.yaml, one seed): DP (Muon) 1.2836 at 0.01 (0.005: 1.3312,

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -193,7 +194,7 @@ def start_muloco(
     (inherit), PIPE (text), STDOUT (for stderr), DEVNULL, a file object or a descriptor. stdin is
     /dev/null. netns: run it in that network namespace (`ip netns exec NETNS`'s network, the testbed's
     hosts)."""
-    return _start(None, args, env, cwd, stdout, stderr, new_session, die_with_parent, netns)
+    return _start(_Request(None, args, env, cwd, stdout, stderr, new_session, die_with_parent, netns))
 
 
 def start_script(
@@ -207,45 +208,68 @@ def start_script(
 ) -> PreloadedProcess | subprocess.Popen:
     """`python SCRIPT ARGS` as a child of the preloaded server (as start_muloco; the tests' helper
     processes that import torch and muloco, e.g. tests/combo_rank.py)."""
-    return _start(str(script), args, env, None, stdout, stderr, False, die_with_parent, None)
+    return _start(_Request(str(script), args, env, None, stdout, stderr, False, die_with_parent, None))
 
 
-def _start(script, args, env, cwd, stdout, stderr, new_session, die_with_parent, netns):
-    args = [str(a) for a in args]
-    env = dict(os.environ if env is None else env)
-    how = (script, args, env, cwd, stdout, stderr, new_session, die_with_parent, netns)
-    what = script or " ".join(["muloco", *args[:1]])
+@dataclass(frozen=True)
+class _Request:
+    """One process to start, forked or plain: `python SCRIPT ARGS` or (no script) `python -m muloco ARGS`."""
+
+    script: str | None
+    args: list[str]
+    env: dict[str, str] | None
+    cwd: str | Path | None
+    stdout: Any
+    stderr: Any
+    new_session: bool
+    die_with_parent: bool
+    netns: str | None
+
+    @property
+    def program(self) -> list[str]:
+        """What follows the interpreter on the command line, before ARGS."""
+        return [self.script] if self.script else ["-m", "muloco"]
+
+    @property
+    def command(self) -> list[str]:
+        """The command a plain process runs (its `ip netns exec` prefix aside)."""
+        return [sys.executable, *self.program, *self.args]
+
+
+def _start(request: _Request) -> PreloadedProcess | subprocess.Popen:
+    env = dict(os.environ if request.env is None else request.env)
+    request = replace(request, args=[str(a) for a in request.args], env=env)
+    what = request.script or " ".join(["muloco", *request.args[:1]])
     differs = differs_at_import(env, _CLIENT.env or dict(os.environ))
     if not enabled() or _CLIENT.broken or differs is not None:
         if differs is not None:
             log.debug("a plain process for `%s`: %s differs from the server's", what, differs)
-        return _plain(*how)
+        return _plain(request)
     try:
-        return _forked(*how)
+        return _forked(request)
     except OSError as exc:  # the server died or could not fork: a plain process does the same work
         log.warning("starting `%s` as a plain process: %s", what, exc)
-        return _plain(*how)
+        return _plain(request)
 
 
-def _plain(script, args, env, cwd, stdout, stderr, new_session, die_with_parent, netns) -> subprocess.Popen:
+def _plain(request: _Request) -> subprocess.Popen:
     from muloco.net.launch import sigterm_when_parent_dies
 
-    inside = ["ip", "netns", "exec", netns] if netns else []
-    program = [script] if script else ["-m", "muloco"]
+    inside = ["ip", "netns", "exec", request.netns] if request.netns else []
     return subprocess.Popen(
-        [*inside, sys.executable, *program, *args],
-        env=env,
-        cwd=cwd,
+        [*inside, *request.command],
+        env=request.env,
+        cwd=request.cwd,
         stdin=subprocess.DEVNULL,
-        stdout=stdout,
-        stderr=stderr,
+        stdout=request.stdout,
+        stderr=request.stderr,
         text=True,
-        start_new_session=new_session,
-        preexec_fn=sigterm_when_parent_dies if die_with_parent else None,
+        start_new_session=request.new_session,
+        preexec_fn=sigterm_when_parent_dies if request.die_with_parent else None,
     )
 
 
-def _forked(script, args, env, cwd, stdout, stderr, new_session, die_with_parent, netns) -> PreloadedProcess:
+def _forked(request: _Request) -> PreloadedProcess:
     opened: list[int] = []  # descriptors made here, closed once the server holds its copies
     readers: dict[str, IO] = {}
 
@@ -266,17 +290,18 @@ def _forked(script, args, env, cwd, stdout, stderr, new_session, die_with_parent
     status_read, status_write = os.pipe()
     opened.append(status_write)
     try:
-        out_fd = target("stdout", stdout, 1)
-        err_fd = out_fd if stderr == subprocess.STDOUT else target("stderr", stderr, 2)
+        out_fd = target("stdout", request.stdout, 1)
+        err_fd = out_fd if request.stderr == subprocess.STDOUT else target("stderr", request.stderr, 2)
         in_fd = target("stdin", subprocess.DEVNULL, 0)
         payload = {
-            "script": script,
-            "argv": args,
-            "env": env,
-            "cwd": str(cwd or os.getcwd()),
-            "new_session": new_session,
-            "die_with_parent": die_with_parent,
-            "netns": netns,
+            "script": request.script,
+            "program": request.program,
+            "argv": request.args,
+            "env": request.env,
+            "cwd": str(request.cwd or os.getcwd()),
+            "new_session": request.new_session,
+            "die_with_parent": request.die_with_parent,
+            "netns": request.netns,
         }
         pid = _CLIENT.request(payload, [in_fd, out_fd, err_fd, status_write])
     except BaseException:
@@ -287,8 +312,7 @@ def _forked(script, args, env, cwd, stdout, stderr, new_session, die_with_parent
     finally:
         for fd in opened:
             os.close(fd)
-    command = [script] if script else ["muloco"]
-    return PreloadedProcess([*command, *args], pid, status_read, readers.get("stdout"), readers.get("stderr"))
+    return PreloadedProcess(request.command, pid, status_read, readers.get("stdout"), readers.get("stderr"))
 
 
 # ---- the server (python -m muloco.net.preloaded FD) ----
@@ -416,13 +440,13 @@ def _run_child(request: dict, fds: list[int]) -> int:
         import torch
 
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    _set_title([*request["program"], *request["argv"]])
     if request.get("script"):
         import runpy
 
         script = request["script"]
         sys.argv = [script, *request["argv"]]
         sys.path[0] = str(Path(script).resolve().parent)  # `python SCRIPT` puts the script's folder first
-        _set_title(sys.argv)
 
         def main() -> int:
             runpy.run_path(script, run_name="__main__")
@@ -431,7 +455,6 @@ def _run_child(request: dict, fds: list[int]) -> int:
         import muloco.cli
 
         sys.argv = [str(Path(muloco.cli.__file__).with_name("__main__.py")), *request["argv"]]
-        _set_title(["-m", "muloco", *request["argv"]])
 
         def main() -> int:
             return muloco.cli.main(request["argv"])

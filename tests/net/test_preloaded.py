@@ -78,7 +78,8 @@ def test_exit_codes_and_output_are_the_fresh_processs(tmp_path):
 def test_a_script_runs_as_python_script_would(tmp_path, monkeypatch):
     """start_script: `python SCRIPT ARGS` forked from the server, as a plain process (MULOCO_PRELOAD=0) runs
     it: as __main__ with its arguments and its own folder first on sys.path, its exit code and output the
-    caller's, and an exception's traceback on stderr with exit code 1."""
+    caller's, and an exception's traceback on stderr with exit code 1. `ps` shows both as the same command,
+    and the caller's handle has the same args."""
     script = tmp_path / "tool" / "show.py"
     script.parent.mkdir()
     (script.parent / "beside.py").write_text("WHERE = 'beside the script'\n")
@@ -89,7 +90,8 @@ def test_a_script_runs_as_python_script_would(tmp_path, monkeypatch):
             import beside
             if sys.argv[1] == "raise":
                 raise ValueError("on purpose")
-            print(json.dumps([__name__, sys.argv[1:], beside.WHERE]))
+            shown = open("/proc/self/cmdline").read().replace("\\0", " ").split()
+            print(json.dumps([__name__, sys.argv[1:], beside.WHERE, shown]))
             sys.exit(int(sys.argv[2]))
             """
         )
@@ -100,11 +102,12 @@ def test_a_script_runs_as_python_script_would(tmp_path, monkeypatch):
         proc = preloaded.start_script(script, ["show", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = proc.communicate(timeout=120)
         assert isinstance(proc, PreloadedProcess) == (preload == "1")
-        seen.append((proc.returncode, json.loads(out)))
+        seen.append((proc.returncode, json.loads(out), proc.args))
         failed = preloaded.start_script(script, ["raise"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         _, err = failed.communicate(timeout=120)
         assert failed.returncode == 1 and err.strip().splitlines()[-1] == "ValueError: on purpose"
-    assert seen[0] == seen[1] == (3, ["__main__", ["show", "3"], "beside the script"])
+    shown = [sys.executable, str(script), "show", "3"]
+    assert seen[0] == seen[1] == (3, ["__main__", ["show", "3"], "beside the script", shown], shown)
 
 
 def test_signals_reach_the_child_and_its_code_reports_them(tmp_path):
