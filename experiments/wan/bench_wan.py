@@ -20,6 +20,10 @@ the table says so.
     python experiments/wan/bench_wan.py --plots docs/img          # everything (root; ~100 min on 2 cores)
     python experiments/wan/bench_wan.py --quick                   # two rows, a few outer steps (< 2 min)
     python experiments/wan/bench_wan.py --report-only --markdown  # the table again, from the JSON
+    python experiments/wan/bench_wan.py --curves-only \\
+        --expect-horizons experiments/wan/results/wan_headline_r50.json
+        # the curves (no testbed), each row's earlier horizon tried first, then the next shorter: about
+        # half the runs of the search without it
     python experiments/wan/bench_wan.py --reuse-curves --ratios 50 --rows ddp,muloco_4bit --repeats 3
         # each link's rows 3 times, interleaved: the table of the first, and each row's median (min-max)
         # of its time and of its ratio to the DDP window of its own repeat
@@ -74,6 +78,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results/wan_headline.json")
     ap.add_argument("--plots", type=Path, help="write the speed-up plot (wan_speedup.png) here")
     ap.add_argument("--reuse-curves", action="store_true", help="read completed loopback runs in --workdir")
+    ap.add_argument(
+        "--expect-horizons",
+        type=Path,
+        help="a results JSON whose rows' horizons are tried first (about half the curves' runs)",
+    )
     ap.add_argument("--curves-only", action="store_true", help="phase 1 only (no testbed needed)")
     ap.add_argument("--report-only", action="store_true", help="re-render --out (no runs)")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
@@ -101,8 +110,9 @@ def main() -> int:
     started = time.perf_counter()
 
     # 1. Curves on loopback: the target, and each row's horizon.
+    expected = expected_horizons(args.expect_horizons) if args.expect_horizons else None
     curves = find_horizons(
-        rows, args.steps, horizons, args.workdir / "curves", args.eval_every, args.reuse_curves
+        rows, args.steps, horizons, args.workdir / "curves", args.eval_every, args.reuse_curves, expected
     )
     ddp_curve = curves["ddp"]
     ddp_summary = ddp_curve["runs"][0]["summary"]
@@ -153,32 +163,40 @@ def main() -> int:
 
 
 def find_horizons(
-    rows: list[Row], steps: int, horizons: list[float], workdir: Path, eval_every: int, reuse: bool
+    rows: list[Row],
+    steps: int,
+    horizons: list[float],
+    workdir: Path,
+    eval_every: int,
+    reuse: bool,
+    expected: dict[str, float] | None = None,
 ) -> dict:
     """Per curve row: the shortest of `horizons` (x DDP's steps) whose run ends at or below DDP's final loss
-    (None: not even the longest). Tried shortest, longest, then the others upwards: a row that never gets
-    there costs two runs, not all of them."""
+    (None: not even the longest). Without an expected horizon: tried shortest, longest, then the others
+    upwards (a row that never gets there costs two runs, not all of them). With one (an earlier run's,
+    --expect-horizons): that one first, then down the grid while it reaches, or up until it does: a row
+    whose expectation holds costs it and the next shorter."""
     ddp = loopback_curve(ROWS["ddp"], steps, BATCH_TOKENS, workdir, eval_every, reuse)
     curves = {"ddp": {"runs": [ddp], "horizon": 1.0, "steps": steps}}
     target = ddp["summary"]["final_val_loss"]
-    order = [horizons[0], *horizons[-1:], *horizons[1:-1]] if len(horizons) > 1 else horizons
     for key in dict.fromkeys(r.curve_row for r in rows if r.curve_row != "ddp"):
-        runs, reached = {}, []
-        for h in order:
+        runs = {}
+
+        def reaches(h: float, key: str = key, runs: dict = runs) -> bool:
             runs[h] = loopback_curve(ROWS[key], round(h * steps), BATCH_TOKENS, workdir, eval_every, reuse)
             final = runs[h]["summary"]["final_val_loss"]
             print(f"curve {key} {h:g}x: final {final:.4f}", flush=True)
-            if final <= target:
-                reached.append(h)
-            if h == horizons[0] and reached:
-                break  # the shortest got there
-            if h == horizons[-1] and not reached:
-                break  # not even the longest: no other will
-            if h not in order[:2] and final <= target:
-                break  # after the longest did: the first of the others that does
-        reached = min(reached) if reached else None
+            return final <= target
+
+        guess = (expected or {}).get(key)
+        if guess in horizons:
+            reached = _search_from(horizons, horizons.index(guess), reaches)
+        else:
+            reached = _search_grid(horizons, reaches)
         # The link runs it at its horizon; one that never gets there at DDP's (its time, its loss then).
         chosen = reached if reached is not None else horizons[0]
+        if chosen not in runs:
+            reaches(chosen)
         curves[key] = {
             "runs": [runs[h] for h in sorted(runs)],
             "chosen": runs[chosen],
@@ -187,6 +205,30 @@ def find_horizons(
         }
     curves["ddp"]["chosen"] = ddp
     return curves
+
+
+def expected_horizons(results: Path) -> dict[str, float]:
+    """Each curve row's horizon in an earlier results JSON (those that reached DDP's loss there)."""
+    curves = json.loads(results.read_text())["curves"]
+    return {key: c["horizon"] for key, c in curves.items() if c.get("horizon") is not None}
+
+
+def _search_grid(horizons: list[float], reaches) -> float | None:
+    """The shortest horizon that `reaches`: the shortest, the longest, then the others upwards."""
+    if reaches(horizons[0]):
+        return horizons[0]
+    if len(horizons) == 1 or not reaches(horizons[-1]):
+        return None
+    return next((h for h in horizons[1:-1] if reaches(h)), horizons[-1])
+
+
+def _search_from(horizons: list[float], i: int, reaches) -> float | None:
+    """The shortest horizon that `reaches`, starting at horizons[i]: down while it reaches, else up."""
+    if reaches(horizons[i]):
+        while i > 0 and reaches(horizons[i - 1]):
+            i -= 1
+        return horizons[i]
+    return next((h for h in horizons[i + 1 :] if reaches(h)), None)
 
 
 def choose_links(ratios: list[float], compute_s: float, ddp_curve: dict, delay_ms: float) -> list[dict]:

@@ -45,6 +45,51 @@ def test_horizons_are_searched_shortest_longest_then_upwards(monkeypatch):
     }
 
 
+def test_an_expected_horizon_is_tried_first_and_the_search_still_finds_the_shortest(monkeypatch, tmp_path):
+    """--expect-horizons: each row's earlier horizon first, then down the grid while it reaches or up until
+    it does; the same shortest horizons as the search without it, in fewer runs where the guess holds."""
+    import bench_wan
+    from wan_rows import ROWS
+
+    needs = {"ddp": 1.0, "ddp_bf16": 1.0, "muloco_4bit": 2.0, "muloco_fp32": 1.5, "diloco_fp32": 99.0}
+    runs = []
+
+    def fake_curve(row, steps, batch_tokens, workdir, eval_every, reuse):
+        runs.append((row.key, steps))
+        reached = steps / 100 >= needs[row.key]
+        return {"summary": {"final_val_loss": 1.0 if reached else 1.5, "inner_steps": steps}, "evals": []}
+
+    monkeypatch.setattr(bench_wan, "loopback_curve", fake_curve)
+    earlier = tmp_path / "earlier.json"
+    # muloco_fp32's guess too long, diloco_fp32's too short, hivemind's absent (no curve of its own).
+    horizons = {"muloco_4bit": 2.0, "muloco_fp32": 3.0, "diloco_fp32": 1.5, "ddp_bf16": 1.0}
+    earlier.write_text(json.dumps({"curves": {k: {"horizon": h} for k, h in horizons.items()}}))
+    keys = ("ddp", "muloco_4bit", "muloco_fp32", "diloco_fp32", "ddp_bf16")
+    rows = [ROWS[k] for k in keys]
+    expected = bench_wan.expected_horizons(earlier)
+    curves = bench_wan.find_horizons(rows, 100, [1, 1.5, 2, 3], Path("unused"), 45, False, expected)
+    assert runs == [
+        ("ddp", 100),
+        *[("muloco_4bit", s) for s in (200, 150)],
+        *[("muloco_fp32", s) for s in (300, 200, 150, 100)],
+        *[("diloco_fp32", s) for s in (150, 200, 300, 100)],  # never: then run at DDP's horizon
+        ("ddp_bf16", 100),
+    ]
+    searched = {k: (c["horizon"], c["steps"]) for k, c in curves.items()}
+    assert searched == {
+        "ddp": (1.0, 100),
+        "muloco_4bit": (2, 200),
+        "muloco_fp32": (1.5, 150),
+        "diloco_fp32": (None, 100),
+        "ddp_bf16": (1, 100),
+    }
+    runs.clear()
+    assert {
+        k: (c["horizon"], c["steps"])
+        for k, c in bench_wan.find_horizons(rows, 100, [1, 1.5, 2, 3], Path("unused"), 45, False).items()
+    } == searched
+
+
 def test_results_run_one_link_at_a_time_merge_into_one_table():
     """`merge_results.py`: links and rows of runs made link by link (--ratios 50, then --ratios 5) in one
     file; parts from different curves (another target) are refused rather than mixed."""
