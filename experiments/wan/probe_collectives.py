@@ -6,7 +6,10 @@ timeout, after which Linux restarts an idle connection's window from 10 segments
 net.ipv4.tcp_slow_start_after_idle=0); the median of the last 10, against the planner's seconds for it.
 
     python experiments/wan/probe_collectives.py --rate-mbit 350 --delay-ms 20 [--pause-s 0.5]
-        [--slow-start-after-idle 0|1] [--out experiments/wan/results/probe_collectives.json]
+        [--slow-start-after-idle 0|1] [--all-reduce-sizes BYTES ...] [--out ...probe_collectives.json]
+
+--all-reduce-sizes: all-reduces of these sizes instead of the headline's ops (how gloo's ring round trips
+grow with the buffer: it cuts it into segments of at most 1 MiB, at least 2 per rank, two in flight).
 
 Needs root (the testbed). Prints a table and writes JSON.
 """
@@ -50,8 +53,12 @@ def main() -> int:
     ap.add_argument("--delay-ms", type=float, default=20.0)
     ap.add_argument("--pause-s", type=float, nargs="+", default=[0.03, 0.5])
     ap.add_argument("--slow-start-after-idle", type=int, nargs="+", default=[1, 0], choices=[0, 1])
+    ap.add_argument("--all-reduce-sizes", type=int, nargs="+", help="bytes per rank (instead of OPS)")
     ap.add_argument("--out", type=Path, default=HERE / "results/probe_collectives.json")
     args = ap.parse_args()
+    ops = OPS
+    if args.all_reduce_sizes:
+        ops = [(f"all_reduce {size:,} B", "all_reduce", size) for size in args.all_reduce_sizes]
     reason = missing_requirements()
     if reason:
         print(f"probe_collectives: cannot run: {reason}", file=sys.stderr)
@@ -62,8 +69,8 @@ def main() -> int:
             for host in testbed.hosts:
                 testbed.run(host.index, ["sysctl", "-qw", f"net.ipv4.tcp_slow_start_after_idle={restart}"])
             for pause in args.pause_s:
-                measured = time_collectives(testbed, OPS, pause)
-                for name, kind, size, *mean in OPS:
+                measured = time_collectives(testbed, ops, pause)
+                for name, kind, size, *mean in ops:
                     plan = planned(link, kind, size, *mean)
                     rows.append(
                         {

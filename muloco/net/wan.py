@@ -8,7 +8,9 @@ round trip; it keeps two half-chunks in flight, so one half's bytes hide the oth
 collective is either byte-bound or latency-bound, not both (gloo/allgather.cc, gloo/allreduce.cc):
 
 - ring all-reduce of P bytes (fp32 pseudogradients, DDP gradients): 2 (K-1)/K P bytes (reduce-scatter then
-  all-gather; Patarasuk & Yuan 2009); gloo splits it into 2K segments, two in flight: 2K round trips;
+  all-gather; Patarasuk & Yuan 2009); gloo splits it into segments of at most 1 MiB, at least 2K, two in
+  flight: a round trip per segment (2K up to 2K MiB; a 1B model's 4 GB: ~3,800, so over a 20 ms link its
+  all-reduce takes at least ~150 s however fast the link: latency-bound above ~330 Mbit/s);
 - all-gather of compressed messages of P bytes each: (K-1) P bytes, K-1 round trips;
 - reduce-scatter of compressed parts (sync.transport: reduce_scatter; message P, owners' means Q): K-1 parts
   of P / K sent directly to their owners (an all-to-all: (K-1)/K P bytes, one round trip), then a ring
@@ -29,6 +31,7 @@ torch DDP hides part of it behind the backward pass, so the DDP rows are an uppe
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 
@@ -59,9 +62,18 @@ class Link:
         return 2.0 * self.latency_ms / 1e3
 
 
+# gloo's ring all-reduce cuts the buffer into segments of at most 1 MiB, at least 2 per rank, rounded to a
+# multiple of the ranks (gloo/allreduce.cc: kMaxSegmentSize, numSegments), and keeps two in flight.
+GLOO_MAX_SEGMENT_BYTES = 1 << 20
+
+
 # Round trips of each collective over K nodes as gloo runs it (the module's docstring).
-def allreduce_round_trips(workers: int) -> int:
-    return 2 * workers
+def allreduce_round_trips(workers: int, payload_bytes: float = 0.0) -> int:
+    """One per gloo segment: 2K up to 2K MiB, then one more per MiB. Measured over the testbed (4 hosts,
+    350 Mbit/s, 50 ms one way; probe_collectives.py --all-reduce-sizes): 7.5, 7.7, 15.7, 31.5 and 64.6
+    round trips for 0.7, 4, 16, 32 and 64 MiB (this: 8, 8, 16, 32, 64); 6.1 for 4 KB."""
+    segments = max(math.ceil(payload_bytes / GLOO_MAX_SEGMENT_BYTES), 2 * workers)
+    return math.ceil(segments / workers) * workers
 
 
 def allgather_round_trips(workers: int) -> int:
@@ -80,7 +92,8 @@ def reduce_scatter_phases(
 def allreduce_seconds(link: Link, payload_bytes: float, workers: int) -> float:
     if workers <= 1:
         return 0.0
-    return link.seconds(ring_allreduce_bytes(payload_bytes, workers), allreduce_round_trips(workers))
+    round_trips = allreduce_round_trips(workers, payload_bytes)
+    return link.seconds(ring_allreduce_bytes(payload_bytes, workers), round_trips)
 
 
 def allgather_seconds(link: Link, payload_bytes: float, workers: int) -> float:

@@ -11,6 +11,7 @@ from muloco.net.wan import (
     Link,
     Workload,
     allgather_seconds,
+    allreduce_round_trips,
     allreduce_seconds,
     estimate_step_seconds,
     faster_transport,
@@ -33,6 +34,12 @@ def test_a_collective_takes_its_bytes_or_its_round_trips_whichever_is_longer():
     assert reduce_scatter_seconds(link, 5e6, 5e6, 4) == pytest.approx(0.6)
     # 1 KB: the round trips are the time (the bytes, 0.24 ms at most, hide behind them).
     assert allreduce_seconds(link, 1e3, 4) == pytest.approx(8 * 0.02)
+    # Past 2K MiB gloo adds a segment (a round trip) per MiB: 64 MiB over 4 nodes, 64 round trips, 1.28 s,
+    # more than its 96 MiB of bytes at 1 Gbit/s (0.81 s); 8 MiB still 8.
+    fast = Link(bandwidth_mbps=1000, latency_ms=10, efficiency=1.0)
+    assert allreduce_round_trips(4, 8 * 2**20) == 8 and allreduce_round_trips(4, 64 * 2**20) == 64
+    assert allreduce_round_trips(4, 65 * 2**20) == 68  # segments rounded up to a multiple of the ranks
+    assert allreduce_seconds(fast, 64 * 2**20, 4) == pytest.approx(64 * 0.02)
     assert allgather_seconds(link, 1e3, 4) == pytest.approx(3 * 0.02)
     assert reduce_scatter_seconds(link, 1e3, 1e3, 4) == pytest.approx(4 * 0.02)
     # Its two collectives run one after the other, each bound on its own: at 40 ms round trips, 1 MB parts
