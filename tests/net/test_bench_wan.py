@@ -14,13 +14,9 @@ REASON = missing_requirements()  # None: root and iproute2, the testbed can run
 sys.path.insert(0, str(ROOT / "experiments/wan"))  # the benchmark's modules import each other by name
 
 
-def test_horizons_are_searched_shortest_longest_then_upwards(monkeypatch):
-    """A row reaches DDP's loss from some horizon on: the search finds the shortest such of the grid,
-    and a row that never does costs two runs (the shortest and the longest)."""
-    import bench_wan
-    from wan_rows import ROWS
-
-    needs = {"ddp": 1.0, "ddp_bf16": 1.0, "muloco_4bit": 2.0, "diloco_fp32": 99.0}  # horizon that reaches
+def _fake_curves(monkeypatch, bench_wan, needs: dict[str, float]) -> list[tuple[str, int]]:
+    """Loopback runs replaced: a row ends at DDP's loss from its horizon in `needs` (x 100 steps) on. The
+    list returned fills with each run's (row, steps)."""
     runs = []
 
     def fake_curve(row, steps, batch_tokens, workdir, eval_every, reuse):
@@ -29,6 +25,17 @@ def test_horizons_are_searched_shortest_longest_then_upwards(monkeypatch):
         return {"summary": {"final_val_loss": 1.0 if reached else 1.5, "inner_steps": steps}, "evals": []}
 
     monkeypatch.setattr(bench_wan, "loopback_curve", fake_curve)
+    return runs
+
+
+def test_horizons_are_searched_shortest_longest_then_upwards(monkeypatch):
+    """A row reaches DDP's loss from some horizon on: the search finds the shortest such of the grid,
+    and a row that never does costs two runs (the shortest and the longest)."""
+    import bench_wan
+    from wan_rows import ROWS
+
+    needs = {"ddp": 1.0, "ddp_bf16": 1.0, "muloco_4bit": 2.0, "diloco_fp32": 99.0}  # horizon that reaches
+    runs = _fake_curves(monkeypatch, bench_wan, needs)
     rows = [ROWS[k] for k in ("ddp", "muloco_4bit", "diloco_fp32", "ddp_bf16", "hivemind_4bit")]
     curves = bench_wan.find_horizons(rows, 100, [1, 1.5, 2, 3], Path("unused"), 45, False)
     assert runs == [
@@ -52,14 +59,7 @@ def test_an_expected_horizon_is_tried_first_and_the_search_still_finds_the_short
     from wan_rows import ROWS
 
     needs = {"ddp": 1.0, "ddp_bf16": 1.0, "muloco_4bit": 2.0, "muloco_fp32": 1.5, "diloco_fp32": 99.0}
-    runs = []
-
-    def fake_curve(row, steps, batch_tokens, workdir, eval_every, reuse):
-        runs.append((row.key, steps))
-        reached = steps / 100 >= needs[row.key]
-        return {"summary": {"final_val_loss": 1.0 if reached else 1.5, "inner_steps": steps}, "evals": []}
-
-    monkeypatch.setattr(bench_wan, "loopback_curve", fake_curve)
+    runs = _fake_curves(monkeypatch, bench_wan, needs)
     earlier = tmp_path / "earlier.json"
     # muloco_fp32's guess too long, diloco_fp32's too short, hivemind's absent (no curve of its own).
     horizons = {"muloco_4bit": 2.0, "muloco_fp32": 3.0, "diloco_fp32": 1.5, "ddp_bf16": 1.0}
