@@ -27,7 +27,7 @@ from muloco.net.wan import (
 
 WORKERS = 4
 ROUND_TRIPS = {
-    "all_reduce": allreduce_round_trips(WORKERS),
+    "all_reduce": allreduce_round_trips(WORKERS),  # pico's buffers (<= 739 KB) are under 2K MiB: 2K
     "all_gather": allgather_round_trips(WORKERS),
     # its two collectives' (sync_phases); round trips do not depend on the bytes
     "reduce_scatter": sum(trips for _, trips in reduce_scatter_phases(WORKERS, 1, 1)),

@@ -70,8 +70,8 @@ GLOO_MAX_SEGMENT_BYTES = 1 << 20
 # Round trips of each collective over K nodes as gloo runs it (the module's docstring).
 def allreduce_round_trips(workers: int, payload_bytes: float = 0.0) -> int:
     """One per gloo segment: 2K up to 2K MiB, then one more per MiB. Measured over the testbed (4 hosts,
-    350 Mbit/s, 50 ms one way; probe_collectives.py --all-reduce-sizes): 7.5, 7.7, 15.7, 31.5 and 64.6
-    round trips for 0.7, 4, 16, 32 and 64 MiB (this: 8, 8, 16, 32, 64); 6.1 for 4 KB."""
+    350 Mbit/s, 50 ms one way; probe_collectives.py --all-reduce-sizes, median of 3 runs): 7.7, 7.6, 15.6,
+    30.9 and 62.9 round trips for 0.7, 4, 16, 32 and 64 MiB (this: 8, 8, 16, 32, 64); 6.1 for 4 KB."""
     segments = max(math.ceil(payload_bytes / GLOO_MAX_SEGMENT_BYTES), 2 * workers)
     return math.ceil(segments / workers) * workers
 
