@@ -51,7 +51,7 @@ from wan_report import (
     speedup_curve,
 )
 from wan_rows import ROWS, Row
-from wan_runs import first_at_or_below, loopback_curve, on_link
+from wan_runs import completed_curve, first_at_or_below, loopback_curve, on_link
 
 from muloco.net.testbed import Testbed, missing_requirements
 from muloco.net.wan import Link
@@ -77,7 +77,11 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs/wan_headline")
     ap.add_argument("--out", type=Path, default=HERE / "results/wan_headline.json")
     ap.add_argument("--plots", type=Path, help="write the speed-up plot (wan_speedup.png) here")
-    ap.add_argument("--reuse-curves", action="store_true", help="read completed loopback runs in --workdir")
+    ap.add_argument(
+        "--reuse-curves",
+        action="store_true",
+        help="read completed loopback runs in --workdir (each search starts at the shortest that reaches)",
+    )
     ap.add_argument(
         "--expect-horizons",
         type=Path,
@@ -175,10 +179,13 @@ def find_horizons(
     (None: not even the longest). Without an expected horizon: tried shortest, longest, then the others
     upwards (a row that never gets there costs two runs, not all of them). With one (an earlier run's,
     --expect-horizons): that one first, then down the grid while it reaches, or up until it does: a row
-    whose expectation holds costs it and the next shorter."""
+    whose expectation holds costs it and the next shorter. reuse without one: the shortest completed run
+    in `workdir` that reaches is the expectation (so no horizon the search can skip is trained)."""
     ddp = loopback_curve(ROWS["ddp"], steps, BATCH_TOKENS, workdir, eval_every, reuse)
     curves = {"ddp": {"runs": [ddp], "horizon": 1.0, "steps": steps}}
     target = ddp["summary"]["final_val_loss"]
+    if reuse and expected is None:  # the completed runs say where each search starts: no longer runs
+        expected = reached_before(rows, steps, horizons, workdir, eval_every, target)
     for key in dict.fromkeys(r.curve_row for r in rows if r.curve_row != "ddp"):
         runs = {}
 
@@ -205,6 +212,21 @@ def find_horizons(
         }
     curves["ddp"]["chosen"] = ddp
     return curves
+
+
+def reached_before(
+    rows: list[Row], steps: int, horizons: list[float], workdir: Path, eval_every: int, target: float
+) -> dict[str, float]:
+    """Per curve row: the shortest horizon whose completed run in `workdir` reaches `target` (--reuse-curves
+    without --expect-horizons; rows with none are left to the grid)."""
+    reached = {}
+    for key in dict.fromkeys(r.curve_row for r in rows if r.curve_row != "ddp"):
+        for h in horizons:
+            run = completed_curve(ROWS[key], round(h * steps), BATCH_TOKENS, workdir, eval_every)
+            if run is not None and run["summary"]["final_val_loss"] <= target:
+                reached[key] = h
+                break
+    return reached
 
 
 def expected_horizons(results: Path) -> dict[str, float]:

@@ -35,6 +35,23 @@ ROUND_TRIPS = {
 # A hivemind sync's local cost and the round trips of its matchmaking and streams, measured over the
 # testbed at several delays (probe_hivemind.py): gloo's model does not describe it.
 HIVEMIND_PROBE = Path(__file__).resolve().parent / "results/probe_hivemind.json"
+# Each collective's time with no link (probe_collectives.py --loopback), and the ones a row's loopback run
+# paid per sync (bench_wan.py measures its compute and local cost there): DDP's and its hooks' all-reduces,
+# the engine's transport as `auto` took it on loopback. torchft's rows use their twin's loopback run;
+# hivemind's local cost is its own probe's, which holds its exchange.
+LOOPBACK_PROBE = Path(__file__).resolve().parent / "results/probe_collectives_loopback.json"
+FP32_ALL_REDUCE = ("all_reduce fp32 pico",)
+LOOPBACK_OPS = {
+    "ddp": FP32_ALL_REDUCE,
+    "ddp_bf16": ("all_reduce bf16 pico",),
+    "ddp_powersgd": tuple(f"all_reduce PowerSGD r4 {part}" for part in ("uncompressed", "P", "Q")),
+    "diloco_fp32": FP32_ALL_REDUCE,
+    "muloco_fp32": FP32_ALL_REDUCE,
+    "muloco_4bit": ("reduce_scatter 4-bit pico",),
+    "muloco_2bit_rs": ("reduce_scatter 2-bit pico",),
+    "streaming_4bit": ("all_gather 4-bit fragment",),
+    "hivemind_4bit": (),
+}
 
 
 @cache
@@ -42,6 +59,27 @@ def hivemind_sync() -> tuple[float, float]:
     """(local seconds, round trips) of one hivemind sync, from HIVEMIND_PROBE."""
     probe = json.loads(HIVEMIND_PROBE.read_text())
     return probe["local_s"], probe["round_trips"]
+
+
+@cache
+def loopback_op_s() -> dict[tuple[str, float], float]:
+    """(op name, pause s) -> its median seconds on loopback, from LOOPBACK_PROBE; empty where the probe has
+    not run."""
+    if not LOOPBACK_PROBE.exists():
+        return {}
+    rows = json.loads(LOOPBACK_PROBE.read_text())["rows"]
+    return {(r["op"], r["pause_s"]): r["measured_s"] for r in rows}
+
+
+def loopback_transfer_s(row: dict) -> float:
+    """What one sync's collectives took in `row`'s loopback run (LOOPBACK_OPS, at the probe's pause nearest
+    its own: a DDP step's 30 ms of compute, a round's 0.5 s); 0 where the probe has not run."""
+    measured = loopback_op_s()
+    if not measured:
+        return 0.0
+    pause = 0.03 if row["per_step"] else 0.5
+    key = row["key"] if row["key"] in LOOPBACK_OPS else ROWS[row["key"]].curve_row  # torchft: its twin's
+    return sum(measured[(op, pause)] for op in LOOPBACK_OPS[key])
 
 
 def round_trips_per_sync(row: dict) -> tuple[float, float]:
@@ -83,6 +121,7 @@ def workload(row: dict, steps: int, syncs: int, bytes_sent: float) -> Workload:
         serial_round_trips_per_sync=serial,
         local_s_per_sync=local,
         phases=sync_phases(row),
+        loopback_transfer_s=loopback_transfer_s(row),
     )
 
 

@@ -58,6 +58,20 @@ def read_run(run_dir: Path) -> dict:
     return {"summary": summary, "evals": evals, "trains": trains}
 
 
+def completed_curve(row: Row, steps: int, batch_tokens: int, workdir: Path, eval_every: int) -> dict | None:
+    """The completed loopback run of `row` for `steps` in `workdir` with the same overrides, or None."""
+    name = f"{row.key}_{steps}"
+    args_file = workdir / f"{name}.args.json"
+    overrides = run_overrides(row, steps, batch_tokens, name, workdir, eval_every)
+    if not args_file.exists() or not _same_run(json.loads(args_file.read_text()), overrides):
+        return None
+    try:
+        done = read_run(workdir / name)
+    except FileNotFoundError:
+        return None
+    return done if done["summary"].get("status") == "completed" else None
+
+
 def loopback_curve(
     row: Row, steps: int, batch_tokens: int, workdir: Path, eval_every: int, reuse: bool = False
 ) -> dict:
@@ -66,13 +80,8 @@ def loopback_curve(
     name = f"{row.key}_{steps}"
     overrides = run_overrides(row, steps, batch_tokens, name, workdir, eval_every)
     args_file = workdir / f"{name}.args.json"
-    if reuse and args_file.exists() and _same_run(json.loads(args_file.read_text()), overrides):
-        try:
-            done = read_run(workdir / name)
-            if done["summary"].get("status") == "completed":
-                return done
-        except FileNotFoundError:
-            pass
+    if reuse and (done := completed_curve(row, steps, batch_tokens, workdir, eval_every)) is not None:
+        return done
     shutil.rmtree(workdir / name, ignore_errors=True)
     args_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "muloco", "launch", "--nproc", str(WORKERS), CONFIG, *overrides]

@@ -14,7 +14,7 @@ import sys
 import textwrap
 import time
 
-from muloco.net.launch import free_port
+from muloco.net.launch import free_port, sigterm_when_parent_dies
 from muloco.net.testbed import Testbed
 
 PORT = 5003
@@ -104,8 +104,9 @@ def reduce_scatter(part, mean):
     means = torch.zeros(mean, dtype=torch.uint8)
     dist.all_gather([torch.empty_like(means) for _ in range(world)], means)
 for name, kind, size, *mean in ops:
-    if kind == "all_reduce":
-        x = torch.zeros(max(1, size // 4))
+    if kind in ("all_reduce", "all_reduce_bf16"):
+        dtype = torch.bfloat16 if kind == "all_reduce_bf16" else torch.float32
+        x = torch.zeros(max(1, size // dtype.itemsize), dtype=dtype)
         op = lambda x=x: dist.all_reduce(x)
     elif kind == "reduce_scatter":
         op = lambda p=max(1, size // world), q=max(1, mean[0] // world): reduce_scatter(p, q)
@@ -126,16 +127,25 @@ dist.destroy_process_group()
 """
 
 
-def time_collectives(testbed: Testbed, ops: list[tuple], pause_s: float) -> dict[str, float]:
-    """Median seconds of each (name, all_reduce | all_gather, bytes per rank) or (name, reduce_scatter,
-    message bytes, owners' mean bytes) over every host (gloo)."""
+def time_collectives(testbed: Testbed | None, ops: list[tuple], pause_s: float, workers: int = 4) -> dict:
+    """Median seconds of each (name, all_reduce | all_reduce_bf16 | all_gather, bytes per rank) or (name,
+    reduce_scatter, message bytes, owners' mean bytes) over every host (gloo); testbed None: `workers`
+    processes on this machine's loopback, as a run with no link has them."""
     port, procs = str(free_port()), []
-    for host in testbed.hosts:
-        args = [str(host.index), str(len(testbed.hosts)), testbed.hosts[0].address, port, str(pause_s)]
-        cmd = [sys.executable, "-c", _COLLECTIVES, *args, json.dumps(ops)]
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": host.interface}
+    ranks = len(testbed.hosts) if testbed is not None else workers
+    master = testbed.hosts[0].address if testbed is not None else "127.0.0.1"
+    for rank in range(ranks):
+        cmd = [sys.executable, "-c", _COLLECTIVES, str(rank), str(ranks), master, port, str(pause_s)]
+        cmd.append(json.dumps(ops))
+        interface = testbed.hosts[rank].interface if testbed is not None else "lo"
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": interface}
         pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env}
-        procs.append(testbed.popen(host.index, cmd, **pipes))
+        if testbed is not None:
+            procs.append(testbed.popen(rank, cmd, **pipes))
+        else:
+            procs.append(
+                subprocess.Popen(cmd, start_new_session=True, preexec_fn=sigterm_when_parent_dies, **pipes)
+            )
     try:
         out, err = procs[0].communicate(timeout=600)
         if procs[0].returncode != 0:

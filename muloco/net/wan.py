@@ -241,6 +241,9 @@ class Workload:
     # Collectives a sync runs one after another, as (share of bytes_per_sync, round trips) each, their times
     # added (reduce_scatter: the parts, then the owners' means); empty: one of round_trips_per_sync.
     phases: tuple[tuple[float, float], ...] = ()
+    # The sync's collectives' own time with no link (probe_collectives.py --loopback), which the loopback
+    # measurements above already hold: in local_s_per_sync, or under a DDP hook in step_compute_s.
+    loopback_transfer_s: float = 0.0
 
 
 def transfer_seconds(work: Workload, link: Link) -> float:
@@ -253,10 +256,13 @@ def transfer_seconds(work: Workload, link: Link) -> float:
 
 def wall_clock(work: Workload, link: Link) -> float:
     """Compute, every sync's local cost, and the part of its transfer that the overlapped steps do not
-    hide."""
-    transfer = transfer_seconds(work, link)
+    hide. A collective on a link takes at least what it took on loopback (its copies and reductions are
+    the same work); the loopback measurements already paid that part (loopback_transfer_s, less what
+    overlap hid there too), so it is not counted twice."""
+    loopback = work.loopback_transfer_s
+    transfer = max(transfer_seconds(work, link), loopback)
     hidden = work.hidden_steps * work.step_compute_s
-    per_sync = work.local_s_per_sync + max(0.0, transfer - hidden)
+    per_sync = work.local_s_per_sync - max(0.0, loopback - hidden) + max(0.0, transfer - hidden)
     return work.steps * work.step_compute_s + work.syncs * per_sync
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from muloco.net.testbed import missing_requirements
+from muloco.net.wan import Link
 
 ROOT = Path(__file__).resolve().parents[2]
 REASON = missing_requirements()  # None: root and iproute2, the testbed can run
@@ -90,6 +91,27 @@ def test_an_expected_horizon_is_tried_first_and_the_search_still_finds_the_short
     } == searched
 
 
+def test_reused_curves_start_each_search_at_the_shortest_completed_run_that_reached(monkeypatch):
+    """--reuse-curves without --expect-horizons: where a completed run reaches DDP's loss the search starts
+    there (it once trained 3x runs the curves phase had skipped); a row with none searches the grid."""
+    import bench_wan
+    from wan_rows import ROWS
+
+    needs = {"ddp": 1.0, "muloco_4bit": 1.5, "ddp_bf16": 1.0}
+    runs = _fake_curves(monkeypatch, bench_wan, needs)
+    completed = {("muloco_4bit", 100): 1.5, ("muloco_4bit", 150): 1.0}  # (row, steps) -> final val loss
+
+    def fake_completed(row, steps, batch_tokens, workdir, eval_every):
+        final = completed.get((row.key, steps))
+        return None if final is None else {"summary": {"final_val_loss": final, "inner_steps": steps}}
+
+    monkeypatch.setattr(bench_wan, "completed_curve", fake_completed)
+    rows = [ROWS[k] for k in ("ddp", "muloco_4bit", "ddp_bf16")]
+    curves = bench_wan.find_horizons(rows, 100, [1, 1.5, 2, 3], Path("unused"), 45, True)
+    assert runs == [("ddp", 100), ("muloco_4bit", 150), ("muloco_4bit", 100), ("ddp_bf16", 100)]
+    assert {k: c["horizon"] for k, c in curves.items()} == {"ddp": 1.0, "muloco_4bit": 1.5, "ddp_bf16": 1}
+
+
 def test_results_run_one_link_at_a_time_merge_into_one_table():
     """`merge_results.py`: links and rows of runs made link by link (--ratios 50, then --ratios 5) in one
     file; parts from different curves (another target) are refused rather than mixed."""
@@ -140,6 +162,33 @@ def test_repeats_are_compared_within_each_repeat_and_summarized_by_median_and_sp
     table = format_repeats(rows)
     assert "| L | ddp | 120 (100-200) | 1.000x (1.000x-1.000x) | - | - |" in table
     assert "| L | mine | 20 (10-30, 1 not reached) | 0.125x (0.100x-0.150x, 1 not reached) | - | - |" in table
+
+
+def test_the_planner_check_counts_each_rows_loopback_collectives_once():
+    """wan_report: every row's loopback run has its collectives in the committed loopback probe (DDP's and
+    the hooks' all-reduces, the engine's transport; torchft its twin's; hivemind none), and a per-step
+    row's planner time is its loopback step plus what the link takes beyond the loopback all-reduce."""
+    import wan_report
+    from wan_rows import ROWS
+
+    measured = wan_report.loopback_op_s()
+    for key, row in ROWS.items():
+        result = {"key": key, "per_step": row.per_step}  # a result row, as far as the term reads it
+        ops = wan_report.LOOPBACK_OPS.get(key, wan_report.LOOPBACK_OPS[row.curve_row])
+        assert all((op, 0.03 if row.per_step else 0.5) in measured for op in ops)
+        assert (wan_report.loopback_transfer_s(result) > 0) == (key != "hivemind_4bit")
+    powersgd = wan_report.loopback_transfer_s({"key": "ddp_powersgd", "per_step": True})
+    assert powersgd == pytest.approx(
+        sum(measured[(op, 0.03)] for op in wan_report.LOOPBACK_OPS["ddp_powersgd"])
+    )
+    ddp = {"key": "ddp", "per_step": True, "backend": "torch", "transport": "all_reduce", "overlap": 0}
+    ddp.update(step_compute_s=0.03, local_s_per_sync=0.02, steps_to_target=10, run_steps=10, run_syncs=10)
+    ddp["run_bytes_per_worker"] = 10 * 1.1e6
+    c = wan_report.loopback_transfer_s(ddp)
+    slow, fast = Link(10, 20), Link(1e5, 0)
+    assert wan_report.planner_s(ddp, fast) == pytest.approx(10 * (0.03 + 0.02))  # the loopback run's time
+    transfer = max(8 * 1.1e6 / (10e6 * slow.efficiency), 8 * slow.round_trip_s)
+    assert wan_report.planner_s(ddp, slow) == pytest.approx(10 * (0.05 - c + transfer))
 
 
 def test_links_are_solved_byte_bound_and_a_delay_too_long_for_the_ratio_is_lowered():

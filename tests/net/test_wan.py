@@ -68,6 +68,14 @@ def test_a_workloads_wall_clock_is_compute_plus_what_overlap_does_not_hide():
     # transfer.
     hidden = replace(work, hidden_steps=10, local_s_per_sync=0.02)
     assert wall_clock(hidden, link) == pytest.approx(0.3 + 2 * 0.02)
+    # Its collective took 0.03 s on loopback, inside the 0.05 s local cost measured there: the link's 0.1 s
+    # replaces it rather than adds to it; a link faster than loopback leaves the loopback run's time; a
+    # sync that tau hid on loopback as well paid nothing there.
+    measured = replace(work, local_s_per_sync=0.05, loopback_transfer_s=0.03)
+    assert wall_clock(measured, link) == pytest.approx(0.3 + 2 * (0.05 - 0.03 + 0.1))
+    fast = Link(bandwidth_mbps=1e5, latency_ms=0, efficiency=1.0)
+    assert wall_clock(measured, fast) == pytest.approx(0.3 + 2 * 0.05)
+    assert wall_clock(replace(measured, hidden_steps=10), link) == pytest.approx(0.3 + 2 * 0.05)
 
 
 def test_faster_transport_follows_k_bytes_and_latency():
