@@ -186,7 +186,7 @@ def find_horizons(
     target = ddp["summary"]["final_val_loss"]
     if reuse and expected is None:  # the completed runs say where each search starts: no longer runs
         expected = reached_before(rows, steps, horizons, workdir, eval_every, target)
-    for key in dict.fromkeys(r.curve_row for r in rows if r.curve_row != "ddp"):
+    for key in curve_keys(rows):
         runs = {}
 
         def reaches(h: float, key: str = key, runs: dict = runs) -> bool:
@@ -214,13 +214,18 @@ def find_horizons(
     return curves
 
 
+def curve_keys(rows: list[Row]) -> list[str]:
+    """The rows whose own loopback curves the search finds (a twin's row reads its twin's), DDP's aside."""
+    return list(dict.fromkeys(r.curve_row for r in rows if r.curve_row != "ddp"))
+
+
 def reached_before(
     rows: list[Row], steps: int, horizons: list[float], workdir: Path, eval_every: int, target: float
 ) -> dict[str, float]:
     """Per curve row: the shortest horizon whose completed run in `workdir` reaches `target` (--reuse-curves
     without --expect-horizons; rows with none are left to the grid)."""
     reached = {}
-    for key in dict.fromkeys(r.curve_row for r in rows if r.curve_row != "ddp"):
+    for key in curve_keys(rows):
         for h in horizons:
             run = completed_curve(ROWS[key], round(h * steps), BATCH_TOKENS, workdir, eval_every)
             if run is not None and run["summary"]["final_val_loss"] <= target:

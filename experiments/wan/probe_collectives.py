@@ -118,10 +118,11 @@ def main() -> int:
 def loopback(args: argparse.Namespace, ops: list[tuple]) -> int:
     """Each op's time with no link (4 processes on 127.0.0.1, as bench_wan.py's curves run): what a run's
     loopback-measured compute or local cost already holds of its collectives (wan_report.py). --repeats
-    runs, interleaved; their median and spread."""
-    runs = {
-        pause: [time_collectives(None, ops, pause) for _ in range(args.repeats)] for pause in args.pause_s
-    }
+    runs, the pauses interleaved; their median and spread."""
+    runs: dict[float, list[dict]] = {pause: [] for pause in args.pause_s}
+    for _ in range(args.repeats):
+        for pause in args.pause_s:
+            runs[pause].append(time_collectives(None, ops, pause))
     rows = []
     for pause, measured in runs.items():
         for name, _, size, *_ in ops:
