@@ -9,21 +9,23 @@ one-way delay (the hub's delay line); a ratio that this delay alone exceeds gets
 the table says so.
 
 1. Curves (loopback, wan_runs.py): DDP's 1x run sets the target, its final val loss. Each other row trains
-   horizons of --horizons x DDP's steps in turn until one ends at or below the target (at most 3x).
+   horizons of --horizons x DDP's steps in turn until one ends at or below the target (at most 3x),
+   starting from the committed headline's horizon (--expect-horizons), and its 1x run (equal tokens).
 2. Links (the testbed, 4 hosts): each row over each link. A low-communication row runs in full at its
    horizon, and its wall-clock is its train clock to its first evaluation at or below the target. A
    per-step row (DDP, + PowerSGD, + bf16) runs a window of --window steps over the link: its median step
    time, all-reduces included, times the steps its curve needs (over a slow link a full run takes hours).
+   A compute-bound link (ratio <= 1) runs --compute-bound-rows only: DDP, its hooks, MuLoCo 4-bit and
+   streaming (what the low-communication rows cost where communication is cheap).
 3. Report (wan_report.py): the table, the planner's projection of each measured run (muloco.net.wan),
    and with --plots the planner's speed-up over DDP from 1 Mbit/s to 10 Gbit/s with the measured points.
 
     python experiments/wan/bench_wan.py --plots docs/img          # everything (root; ~100 min on 2 cores)
     python experiments/wan/bench_wan.py --quick                   # two rows, a few outer steps (< 2 min)
     python experiments/wan/bench_wan.py --report-only --markdown  # the table again, from the JSON
-    python experiments/wan/bench_wan.py --curves-only \\
-        --expect-horizons experiments/wan/results/wan_headline_r50.json
-        # the curves (no testbed), each row's earlier horizon tried first, then the next shorter: about
-        # half the runs of the search without it
+    python experiments/wan/bench_wan.py --curves-only
+        # the curves (no testbed), each row's committed horizon tried first, then the next shorter: about
+        # half the runs of the search without it (--expect-horizons none)
     python experiments/wan/bench_wan.py --reuse-curves --ratios 50 --rows ddp,muloco_4bit --repeats 3
         # each link's rows 3 times, interleaved: the table of the first, and each row's median (min-max)
         # of its time and of its ratio to the DDP window of its own repeat
@@ -60,6 +62,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 BATCH_TOKENS = 2048  # pico's
 WORKERS = 4
+EXPECTED = HERE / "results/wan_headline.json"  # the committed headline: its horizons are tried first
+COMPUTE_BOUND_ROWS = ("ddp", "ddp_powersgd", "ddp_bf16", "muloco_4bit", "streaming_4bit")
 PLOT_RATES = [10 ** (k / 8) for k in range(0, 33)]  # 1 Mbit/s to 10 Gbit/s
 
 
@@ -85,7 +89,14 @@ def main() -> int:
     ap.add_argument(
         "--expect-horizons",
         type=Path,
-        help="a results JSON whose rows' horizons are tried first (about half the curves' runs)",
+        default=EXPECTED,
+        help="a results JSON whose rows' horizons are tried first (about half the curves' runs; default: the "
+        "committed headline's, if there; 'none': the grid search alone)",
+    )
+    ap.add_argument(
+        "--compute-bound-rows",
+        default=",".join(COMPUTE_BOUND_ROWS),
+        help="the rows of --rows a link of ratio <= 1 runs ('all': every row)",
     )
     ap.add_argument("--curves-only", action="store_true", help="phase 1 only (no testbed needed)")
     ap.add_argument("--report-only", action="store_true", help="re-render --out (no runs)")
@@ -93,7 +104,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:  # <= 2 minutes (issue 36): one horizon (2x reaches DDP's loss), a short window
         args.rows, args.steps, args.horizons, args.ratios = "ddp,muloco_4bit", 60, "2", "50"
-        args.window, args.eval_every = 6, 15
+        args.window, args.eval_every, args.expect_horizons = 6, 15, None
     if args.report_only:
         saved = json.loads(args.out.read_text())
         return report(saved, args, runs_s=None)
@@ -103,7 +114,8 @@ def main() -> int:
         print(f"bench_wan: cannot run: {reason}", file=sys.stderr)
         return 2
     keys = [k for k in args.rows.split(",") if k]
-    unknown = [k for k in keys if k not in ROWS]
+    compute_bound = keys if args.compute_bound_rows == "all" else args.compute_bound_rows.split(",")
+    unknown = [k for k in (*keys, *compute_bound) if k not in ROWS]
     if unknown or "ddp" not in keys:
         print(
             f"bench_wan: --rows needs ddp and names from {list(ROWS)} (unknown: {unknown})", file=sys.stderr
@@ -114,7 +126,14 @@ def main() -> int:
     started = time.perf_counter()
 
     # 1. Curves on loopback: the target, and each row's horizon.
-    expected = expected_horizons(args.expect_horizons) if args.expect_horizons else None
+    try:
+        expected = expected_horizons(args.expect_horizons)
+    except (OSError, ValueError, KeyError) as exc:
+        print(
+            f"bench_wan: --expect-horizons: {exc} (a results JSON of bench_wan.py, or 'none')",
+            file=sys.stderr,
+        )
+        return 2
     curves = find_horizons(
         rows, args.steps, horizons, args.workdir / "curves", args.eval_every, args.reuse_curves, expected
     )
@@ -143,7 +162,13 @@ def main() -> int:
     results = []
     for link in links:
         with Testbed(WORKERS, link["rate_mbit"], link["delay_ms"]) as testbed:
-            for repeat, row in ((i, row) for i in range(args.repeats) for row in rows):
+            # Where communication is cheap (ratio <= 1) the question is only what the low-communication
+            # rows cost: the per-step rows and MuLoCo's fastest forms answer it (the default subset).
+            here = [r for r in rows if link["ratio"] > 1 or r.key in compute_bound]
+            if len(here) < len(rows):
+                skipped = ",".join(r.key for r in rows if r not in here)
+                print(f"{link['label']}: compute-bound, skips {skipped} (--compute-bound-rows all runs them)")
+            for repeat, row in ((i, row) for i in range(args.repeats) for row in here):
                 curve = curves[row.curve_row]
                 try:
                     run = on_link(
@@ -180,7 +205,8 @@ def find_horizons(
     upwards (a row that never gets there costs two runs, not all of them). With one (an earlier run's,
     --expect-horizons): that one first, then down the grid while it reaches, or up until it does: a row
     whose expectation holds costs it and the next shorter. reuse without one: the shortest completed run
-    in `workdir` that reaches is the expectation (so no horizon the search can skip is trained)."""
+    in `workdir` that reaches is the expectation (so no horizon the search can skip is trained). Every
+    row's 1x run is trained too: its loss at DDP's tokens."""
     ddp = loopback_curve(ROWS["ddp"], steps, BATCH_TOKENS, workdir, eval_every, reuse)
     curves = {"ddp": {"runs": [ddp], "horizon": 1.0, "steps": steps}}
     target = ddp["summary"]["final_val_loss"]
@@ -202,8 +228,10 @@ def find_horizons(
             reached = _search_grid(horizons, reaches)
         # The link runs it at its horizon; one that never gets there at DDP's (its time, its loss then).
         chosen = reached if reached is not None else horizons[0]
-        if chosen not in runs:
-            reaches(chosen)
+        needed = [chosen, *([1.0] if 1.0 in horizons else [])]  # 1x: its loss at DDP's tokens
+        for h in needed:
+            if h not in runs:
+                reaches(h)
         curves[key] = {
             "runs": [runs[h] for h in sorted(runs)],
             "chosen": runs[chosen],
@@ -234,8 +262,11 @@ def reached_before(
     return reached
 
 
-def expected_horizons(results: Path) -> dict[str, float]:
-    """Each curve row's horizon in an earlier results JSON (those that reached DDP's loss there)."""
+def expected_horizons(results: Path | None) -> dict[str, float] | None:
+    """Each curve row's horizon in an earlier results JSON (those that reached DDP's loss there); None for
+    no file ('none', or the default one where a checkout lacks it)."""
+    if results is None or str(results) == "none" or (results == EXPECTED and not results.exists()):
+        return None
     curves = json.loads(results.read_text())["curves"]
     return {key: c["horizon"] for key, c in curves.items() if c.get("horizon") is not None}
 
@@ -300,7 +331,6 @@ def measure(row: Row, link: dict, curve: dict, run: dict, target: float) -> dict
         "horizon": curve["horizon"],
         "transport": summary.get("transport"),
         "overlap": summary.get("overlap") or 0,
-        "val_equal_tokens": curve["runs"][0]["summary"]["final_val_loss"],
         "process_wall_s": run["process_wall_s"],
         "local_s_per_sync": local_s_per_sync(final["summary"], row.per_step),
     }
@@ -355,6 +385,12 @@ def measure(row: Row, link: dict, curve: dict, run: dict, target: float) -> dict
     return out
 
 
+def equal_tokens_loss(curves: dict, key: str) -> float | None:
+    """A row's final val loss at DDP's tokens: its curve's run of DDP's length (None: not trained)."""
+    ddp_steps = curves["ddp"]["runs"][0]["steps"]
+    return next((r["final_val_loss"] for r in curves[key]["runs"] if r["steps"] == ddp_steps), None)
+
+
 def summarize_curve(curve: dict) -> dict:
     return {
         "horizon": curve["horizon"],
@@ -373,9 +409,13 @@ def summarize_curve(curve: dict) -> dict:
 def report(saved: dict, args, runs_s: float | None) -> int:
     """Comparisons within each link (vs DDP, at DDP's wall-clock, the planner), the table, JSON, plot."""
     rows = saved["rows"]
-    for link, repeat in ((link, i) for link in saved["links"] for i in range(repeats_of(rows))):
-        # Each comparison within one repeat: its rows ran side by side, interleaved with the others'.
-        here = [r for r in rows if r["link_label"] == link["label"] and r.get("repeat", 0) == repeat]
+    side_by_side: dict[tuple, list[dict]] = {}
+    for r in rows:
+        r["val_equal_tokens"] = equal_tokens_loss(saved["curves"], ROWS[r["key"]].curve_row)
+        # Each comparison within one run's repeat: its rows ran interleaved with the others' (merged results
+        # keep each part's own DDP window: merge_results.py).
+        side_by_side.setdefault((r["link_label"], r.get("part", 0), r.get("repeat", 0)), []).append(r)
+    for here in side_by_side.values():
         ddp = next((r for r in here if r["key"] == "ddp"), None)
         for r in here:
             r["planner_s"] = planner_s(r, Link(r["rate_mbit"], r["delay_ms"]))
@@ -396,11 +436,12 @@ def report(saved: dict, args, runs_s: float | None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(saved, indent=1))
     print(format_curves(saved["curves"], saved["target_val_loss"]))
-    once = [r for r in rows if r.get("repeat", 0) == 0]  # the table: the first repeat
+    shown = [r for r in rows if not r.get("reference")]  # a merged part's DDP window: its rows' reference
+    once = [r for r in shown if r.get("repeat", 0) == 0]  # the table: the first repeat
     if rows:
         print(format_markdown(once) if args.markdown else format_table(once))
     if repeats_of(rows) > 1:
-        print(format_repeats(rows))
+        print(format_repeats(shown))
     if args.plots and rows:
         first = saved["links"][0]
         measured = [r for r in rows if r["link_label"] == first["label"]]

@@ -179,7 +179,7 @@ def format_table(results: list[dict]) -> str:
         steps = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
         lines.append(
             f"{r['link_label']:>16} {r['label'][:44]:<44} {to:>13} {vs:>7} {plan:>9} {steps:>6} "
-            f"{r['val_equal_tokens']:>10.4f} {_f(r.get('val_equal_wall')):>9} "
+            f"{_f(r.get('val_equal_tokens')):>10} {_f(r.get('val_equal_wall')):>9} "
             f"{100 * r['wait_fraction']:>5.1f}% {r['bytes_to_target'] / 1e6:>9.1f} "
             f"{r['wire_to_target'] / 1e6:>8.1f}"
         )
@@ -200,7 +200,7 @@ def format_markdown(results: list[dict]) -> str:
         steps = "-" if r["steps_to_target"] is None else f"{r['steps_to_target']:,}"
         lines.append(
             f"| {r['link_label']} | {r['label']} | {to}{how} | {vs} | {plan} | {steps} | "
-            f"{r['val_equal_tokens']:.4f} | {_f(r.get('val_equal_wall'))} | "
+            f"{_f(r.get('val_equal_tokens'))} | {_f(r.get('val_equal_wall'))} | "
             f"{100 * r['wait_fraction']:.1f}% | "
             f"{r['bytes_to_target'] / 1e6:.1f}, {r['wire_to_target'] / 1e6:.1f} |"
         )
@@ -212,28 +212,46 @@ def repeats_of(rows: list[dict]) -> int:
 
 
 def format_repeats(rows: list[dict]) -> str:
-    """Per row and link over its repeats: the median and the min-max of its wall-clock to DDP's loss, of
-    its ratio to DDP's within the same repeat, and of measured over planner (markdown)."""
+    """The table over repeats, per row and link (markdown): the median and min-max of its wall-clock to
+    DDP's loss, of its ratio to DDP's within the same repeat, of measured over planner and of its network
+    wait; the medians of its inner steps to the loss, its val loss at DDP's wall-clock and its MB per worker
+    to the loss (counted, on the wire); its val loss at equal tokens (its 1x curve, one for all repeats)."""
     lines = [
         f"Over {repeats_of(rows)} interleaved repeats: median (min-max)",
-        "| link | method | to DDP's loss (s) | vs DDP | measured / planner | vs undisturbed |",
-        "|---|---|---|---|---|---|",
+        "| link | method | to DDP's loss (s) | vs DDP | measured / planner | network wait | inner steps "
+        "| val loss, equal tokens | val loss, DDP's wall-clock | MB / worker (counted, wire) "
+        "| vs undisturbed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         groups.setdefault((r["link_label"], r["label"]), []).append(r)
     for (link, label), runs in groups.items():
-        cells = [
-            _spread([r.get(name) for r in runs], fmt)
-            for name, fmt in (
-                ("s_to_target", "{:.0f}"),
-                ("vs_ddp", "{:.3f}x"),
-                ("measured_over_planner", "{:.2f}"),
-                ("vs_undisturbed", "{:.2f}x"),
-            )
+
+        def values(name: str, scale: float = 1.0, runs: list[dict] = runs) -> list[float | None]:
+            return [None if r.get(name) is None else r[name] * scale for r in runs]
+
+        spreads = [
+            _spread(values("s_to_target"), "{:.0f}"),
+            _spread(values("vs_ddp"), "{:.3f}x"),
+            _spread(values("measured_over_planner"), "{:.2f}"),
+            _spread(values("wait_fraction", 100), "{:.1f}%"),
         ]
+        mb = [_median(values(name, 1e-6), "{:.1f}") for name in ("bytes_to_target", "wire_to_target")]
+        medians = [
+            _median(values("steps_to_target"), "{:,.0f}"),
+            _f(runs[0].get("val_equal_tokens")),
+            _median(values("val_equal_wall"), "{:.4f}"),
+            "-" if mb == ["-", "-"] else ", ".join(mb),
+        ]
+        cells = [*spreads, *medians, _spread(values("vs_undisturbed"), "{:.2f}x")]
         lines.append(f"| {link} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _median(values: list[float | None], fmt: str) -> str:
+    got = [v for v in values if v is not None]
+    return fmt.format(statistics.median(got)) if got else "-"
 
 
 def _spread(values: list[float | None], fmt: str) -> str:

@@ -1,5 +1,6 @@
 """The WAN headline benchmark's --quick mode, so that the benchmark cannot rot (issue 36)."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -68,10 +69,12 @@ def test_an_expected_horizon_is_tried_first_and_the_search_still_finds_the_short
     keys = ("ddp", "muloco_4bit", "muloco_fp32", "diloco_fp32", "ddp_bf16")
     rows = [ROWS[k] for k in keys]
     expected = bench_wan.expected_horizons(earlier)
+    assert bench_wan.expected_horizons(Path("none")) is None  # the grid search alone
+    assert bench_wan.EXPECTED.exists()  # the default: the committed headline's horizons
     curves = bench_wan.find_horizons(rows, 100, [1, 1.5, 2, 3], Path("unused"), 45, False, expected)
     assert runs == [
         ("ddp", 100),
-        *[("muloco_4bit", s) for s in (200, 150)],
+        *[("muloco_4bit", s) for s in (200, 150, 100)],  # 100: its 1x run, the loss at DDP's tokens
         *[("muloco_fp32", s) for s in (300, 200, 150, 100)],
         *[("diloco_fp32", s) for s in (150, 200, 300, 100)],  # never: then run at DDP's horizon
         ("ddp_bf16", 100),
@@ -148,6 +151,76 @@ def test_results_run_one_link_at_a_time_merge_into_one_table():
         merge([part(5)], (again,))
 
 
+def test_a_part_with_more_rows_over_a_link_is_compared_with_its_own_ddp_windows(
+    tmp_path, capsys, monkeypatch
+):
+    """merge_results + the report: a later part's rows over a link an earlier part ran join that link;
+    each is compared with the DDP window of its own part and repeat (the one interleaved with it), which
+    is kept as its reference only (not a second DDP in the tables); the same row in two parts is refused.
+    The loss at equal tokens is each row's run of DDP's length, "-" where its search did not train one."""
+    import bench_wan
+    from merge_results import merge
+
+    def runs(*finals: tuple[int, float]) -> dict:
+        return {"horizon": 1.0, "runs": [{"steps": steps, "final_val_loss": loss} for steps, loss in finals]}
+
+    curves = {"ddp": runs((100, 1.29)), "muloco_4bit": runs((100, 1.34), (150, 1.27))}
+    curves["diloco_fp32"] = runs((200, 1.34), (300, 1.27))  # found at 3x from an expected horizon
+
+    def part(rows: dict[str, list[float]]) -> dict:
+        link = {"ratio": 5, "label": "L", "rate_mbit": 40.0, "delay_ms": 6.0}
+        table_cells = {"per_step": False, "steps_to_target": 1, "wait_fraction": 0.1, "evals": []}
+        table_cells.update(rate_mbit=link["rate_mbit"], delay_ms=link["delay_ms"])
+        table_cells.update(bytes_to_target=1.0, wire_to_target=1.0)
+        made = [
+            {"key": key, "label": key, "link_label": "L", "repeat": i, "s_to_target": s, **table_cells}
+            for key, seconds in rows.items()
+            for i, s in enumerate(seconds)
+        ]
+        return {
+            "command": str(list(rows)),
+            "target_val_loss": 1.29,
+            "links": [link],
+            "rows": made,
+            "curves": curves,
+        }
+
+    first, second = (
+        part({"ddp": [100, 200], "muloco_4bit": [50, 60]}),
+        part({"ddp": [400, 300], "diloco_fp32": [100, 90]}),
+    )
+    merged = merge([first, second])
+    assert len(merged["links"]) == 1
+    assert [(r["key"], r["part"], r.get("reference", False)) for r in merged["rows"][::2]] == [
+        ("ddp", 0, False),
+        ("muloco_4bit", 0, False),
+        ("ddp", 1, True),
+        ("diloco_fp32", 1, False),
+    ]
+    monkeypatch.setattr(bench_wan, "planner_s", lambda row, link: None)  # the planner has its own tests
+    args = argparse.Namespace(out=tmp_path / "merged.json", markdown=True, plots=None)
+    bench_wan.report(merged, args, runs_s=None)
+    vs = {(r["key"], r["repeat"]): r["vs_ddp"] for r in merged["rows"] if r["key"] != "ddp"}
+    assert vs == {
+        ("muloco_4bit", 0): 0.5,
+        ("muloco_4bit", 1): 0.3,
+        ("diloco_fp32", 0): 0.25,
+        ("diloco_fp32", 1): 0.3,
+    }
+    table = capsys.readouterr().out
+    assert "| L | ddp | 150 (100-200) |" in table and table.count("| L | ddp |") == 2  # first repeat, medians
+    assert "| L | muloco_4bit | 50 | 0.500x | - | 1 | 1.3400 |" in table
+    assert "| L | diloco_fp32 | 100 | 0.250x | - | 1 | - |" in table
+    with pytest.raises(ValueError, match="in two parts"):
+        merge([first, part({"ddp": [1], "muloco_4bit": [1]})])
+    # --curves: the same curves with more runs trained since (DiLoCo's 1x) replace the parts'.
+    more = {**curves, "diloco_fp32": runs((100, 1.55), (200, 1.34), (300, 1.27))}
+    merged = merge([first, second], curves={"target_val_loss": 1.29, "curves": more})
+    assert merged["curves"]["diloco_fp32"]["runs"][0] == {"steps": 100, "final_val_loss": 1.55}
+    with pytest.raises(ValueError, match="other horizons"):
+        merge([first, second], curves={"target_val_loss": 1.29, "curves": {**more, "ddp": {"horizon": 2.0}}})
+
+
 def test_repeats_are_compared_within_each_repeat_and_summarized_by_median_and_spread():
     """--repeats: each row's ratio to DDP uses the DDP window of its own repeat (they ran side by side),
     and the summary gives the median with min-max; a repeat that did not reach the target is counted."""
@@ -157,11 +230,18 @@ def test_repeats_are_compared_within_each_repeat_and_summarized_by_median_and_sp
     for repeat, (ddp_s, mine_s) in enumerate([(100.0, 10.0), (200.0, 30.0), (120.0, None)]):
         for key, seconds in (("ddp", ddp_s), ("mine", mine_s)):
             row = {"key": key, "label": key, "link_label": "L", "repeat": repeat, "s_to_target": seconds}
-            rows.append(row)
+            rows.append({**row, "wait_fraction": 0.1 * (repeat + 1)})
             rows[-1]["vs_ddp"] = None if seconds is None else seconds / ddp_s
+            if key == "mine":  # the columns given as medians: steps, losses, MB (counted, wire)
+                rows[-1].update(steps_to_target=1500 + 10 * repeat, val_equal_tokens=1.34, val_equal_wall=1.3)
+                rows[-1].update(bytes_to_target=2e6 * (repeat + 1), wire_to_target=3e6)
     table = format_repeats(rows)
-    assert "| L | ddp | 120 (100-200) | 1.000x (1.000x-1.000x) | - | - |" in table
-    assert "| L | mine | 20 (10-30, 1 not reached) | 0.125x (0.100x-0.150x, 1 not reached) | - | - |" in table
+    assert (
+        "| L | ddp | 120 (100-200) | 1.000x (1.000x-1.000x) | - | 20.0% (10.0%-30.0%) | - | - | - | - | - |"
+        in table
+    )
+    mine = "| L | mine | 20 (10-30, 1 not reached) | 0.125x (0.100x-0.150x, 1 not reached) | - | 20.0% "
+    assert mine + "(10.0%-30.0%) | 1,510 | 1.3400 | 1.3000 | 4.0, 3.0 | - |" in table
 
 
 def test_the_planner_check_counts_each_rows_loopback_collectives_once():
