@@ -47,10 +47,11 @@ from wan_report import (
     format_markdown,
     format_repeats,
     format_table,
+    headline_rows,
+    headline_speedups,
     planner_s,
     plot,
     repeats_of,
-    speedup_curve,
 )
 from wan_rows import ROWS, Row
 from wan_runs import completed_curve, first_at_or_below, loopback_curve, on_link
@@ -442,11 +443,13 @@ def report(saved: dict, args, runs_s: float | None) -> int:
         print(format_markdown(once) if args.markdown else format_table(once))
     if repeats_of(rows) > 1:
         print(format_repeats(shown))
+    if len({r.get("part", 0) for r in rows}) > 1:
+        print("The headline: each method at each ratio from the first part that ran it")
+        print(format_repeats(headline_rows(rows)))
     if args.plots and rows:
         first = saved["links"][0]
-        measured = [r for r in rows if r["link_label"] == first["label"]]
-        curves = speedup_curve(measured, PLOT_RATES, first["delay_ms"])
-        points = [p for p in rows if p["delay_ms"] == first["delay_ms"]]
+        curves = headline_speedups(rows, first["ratio"], PLOT_RATES, first["delay_ms"])
+        points = [p for p in headline_rows(rows) if p["delay_ms"] == first["delay_ms"]]
         plot(
             curves, PLOT_RATES, points, {k: r.label for k, r in ROWS.items()}, args.plots / "wan_speedup.png"
         )

@@ -15,7 +15,9 @@ compared with the DDP window of the part it replaces).
 
 The runs must share their curves (the same --workdir, later ones with --reuse-curves): the target and each
 row's horizon then agree, which is checked. `--curves D.json` (a `--curves-only --reuse-curves` run of the
-same curves, e.g. with a row's 1x run trained since: the loss at equal tokens) replaces the parts' curves.
+same curves, e.g. with a row's 1x run trained since: the loss at equal tokens) joins the parts' curves.
+Parts run with other --rows trained other curve rows: the merged file has them all (a row's horizon and
+its runs' losses agreeing where two parts have it).
 """
 
 from __future__ import annotations
@@ -34,15 +36,9 @@ def merge(parts: list[dict], reruns: tuple[dict, ...] = (), curves: dict | None 
         raise ValueError(
             "results from different curves (DDP's final val loss differs): rerun with --reuse-curves"
         )
+    first = {**first, "curves": union_curves([p["curves"] for p in (*parts, *reruns)])}
     if curves is not None:
-        moved = [
-            k
-            for k, c in first["curves"].items()
-            if curves["curves"].get(k, {}).get("horizon") != c["horizon"]
-        ]
-        if moved:
-            raise ValueError(f"--curves has other horizons for {moved}: not the parts' curves")
-        first = {**first, "curves": curves["curves"]}
+        first = {**first, "curves": union_curves([first["curves"], curves["curves"]])}
     merged = {**first, "links": [], "rows": [], "commands": [p["command"] for p in parts]}
     for index, part in enumerate(parts):
         earlier = {link["label"] for link in merged["links"]}
@@ -71,6 +67,26 @@ def merge(parts: list[dict], reruns: tuple[dict, ...] = (), curves: dict | None 
         merged["commands"].append(rerun["command"])
     merged["bench_s"] = sum(p.get("bench_s", 0.0) for p in (*parts, *reruns))
     return merged
+
+
+def union_curves(parts: list[dict]) -> dict:
+    """Every part's curve rows (a part run with other --rows trained other curves), each row's runs joined
+    by length: a row's horizon, and its loss at any length two parts both trained, must agree."""
+    union: dict[str, dict] = {}
+    for curves in parts:
+        for key, curve in curves.items():
+            if key not in union:
+                union[key] = {**curve, "runs": list(curve["runs"])}
+                continue
+            if curve["horizon"] != union[key]["horizon"]:
+                raise ValueError(f"two parts found other horizons for {key}: not the same curves")
+            known = {r["steps"]: r for r in union[key]["runs"]}
+            for run in curve["runs"]:
+                if run["steps"] in known and run["final_val_loss"] != known[run["steps"]]["final_val_loss"]:
+                    raise ValueError(f"two parts' {key} runs of {run['steps']} steps end at other losses")
+                known.setdefault(run["steps"], run)
+            union[key]["runs"] = [known[steps] for steps in sorted(known)]
+    return union
 
 
 def _find(rows: list[dict], row: dict) -> list[int]:

@@ -155,6 +155,37 @@ def speedup_curve(
     return curves
 
 
+def headline_rows(rows: list[dict]) -> list[dict]:
+    """One entry per method and ratio in merged results: the repeats of the first part that ran it there
+    (a later part's runs of it, e.g. on another machine's link of the same ratio, stay in the file and its
+    other tables). Ordered by ratio, highest first, then as ROWS."""
+    shown = [r for r in rows if not r.get("reference")]
+    first_part: dict[tuple, int] = {}
+    for r in shown:
+        first_part.setdefault((r["ratio"], r["key"]), r.get("part", 0))
+    chosen = [r for r in shown if r.get("part", 0) == first_part[(r["ratio"], r["key"])]]
+    order = list(ROWS)
+    return sorted(chosen, key=lambda r: (-r["ratio"], order.index(r["key"]), r.get("repeat", 0)))
+
+
+def headline_speedups(
+    rows: list[dict], ratio: float, rates_mbit: list[float], delay_ms: float
+) -> dict[str, list[float | None]]:
+    """speedup_curve for the headline rows at one ratio, each against the DDP window of its own part (the
+    one it ran beside: a part on another machine has another compute per step, so another DDP)."""
+    heads = [r for r in headline_rows(rows) if r["ratio"] == ratio and r.get("repeat", 0) == 0]
+    curves: dict[str, list[float | None]] = {}
+    for part in dict.fromkeys(r.get("part", 0) for r in heads):
+        ddp = next(
+            r
+            for r in rows
+            if r["key"] == "ddp" and r["ratio"] == ratio and r.get("part", 0) == part and not r.get("repeat")
+        )
+        mine = [r for r in heads if r.get("part", 0) == part and r["key"] != "ddp"]
+        curves.update(speedup_curve([ddp, *mine], rates_mbit, delay_ms))
+    return curves
+
+
 def format_curves(curves: dict, target: float) -> str:
     """Each row's horizons on loopback: final val loss per horizon, and the one that reaches DDP's."""
     lines = [f"DDP's final val loss (the target): {target:.4f}", "| row | horizon | final val loss per run |"]

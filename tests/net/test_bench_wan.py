@@ -170,7 +170,7 @@ def test_a_part_with_more_rows_over_a_link_is_compared_with_its_own_ddp_windows(
     def part(rows: dict[str, list[float]]) -> dict:
         link = {"ratio": 5, "label": "L", "rate_mbit": 40.0, "delay_ms": 6.0}
         table_cells = {"per_step": False, "steps_to_target": 1, "wait_fraction": 0.1, "evals": []}
-        table_cells.update(rate_mbit=link["rate_mbit"], delay_ms=link["delay_ms"])
+        table_cells.update(ratio=link["ratio"], rate_mbit=link["rate_mbit"], delay_ms=link["delay_ms"])
         table_cells.update(bytes_to_target=1.0, wire_to_target=1.0)
         made = [
             {"key": key, "label": key, "link_label": "L", "repeat": i, "s_to_target": s, **table_cells}
@@ -208,17 +208,55 @@ def test_a_part_with_more_rows_over_a_link_is_compared_with_its_own_ddp_windows(
         ("diloco_fp32", 1): 0.3,
     }
     table = capsys.readouterr().out
-    assert "| L | ddp | 150 (100-200) |" in table and table.count("| L | ddp |") == 2  # first repeat, medians
+    assert "| L | ddp | 150 (100-200) |" in table  # the medians
+    assert table.count("| L | ddp |") == 3  # repeat 0, the medians, the headline
     assert "| L | muloco_4bit | 50 | 0.500x | - | 1 | 1.3400 |" in table
     assert "| L | diloco_fp32 | 100 | 0.250x | - | 1 | - |" in table
     with pytest.raises(ValueError, match="in two parts"):
         merge([first, part({"ddp": [1], "muloco_4bit": [1]})])
+    # Parts run with other --rows have other curve rows: the merged file has each (its 1x run read above).
+    only_4bit = {**first, "curves": {"ddp": curves["ddp"], "muloco_4bit": curves["muloco_4bit"]}}
+    only_diloco = {**second, "curves": {"ddp": curves["ddp"], "diloco_fp32": curves["diloco_fp32"]}}
+    assert set(merge([only_4bit, only_diloco])["curves"]) == {"ddp", "muloco_4bit", "diloco_fp32"}
+    with pytest.raises(ValueError, match="other losses"):
+        merge([only_4bit, {**second, "curves": {"ddp": runs((100, 1.30))}}])
     # --curves: the same curves with more runs trained since (DiLoCo's 1x) replace the parts'.
     more = {**curves, "diloco_fp32": runs((100, 1.55), (200, 1.34), (300, 1.27))}
     merged = merge([first, second], curves={"target_val_loss": 1.29, "curves": more})
     assert merged["curves"]["diloco_fp32"]["runs"][0] == {"steps": 100, "final_val_loss": 1.55}
     with pytest.raises(ValueError, match="other horizons"):
         merge([first, second], curves={"target_val_loss": 1.29, "curves": {**more, "ddp": {"horizon": 2.0}}})
+
+
+def test_the_headline_takes_each_method_at_each_ratio_from_the_first_part_and_its_own_ddp(monkeypatch):
+    """Merged parts from machines of other speeds solve the same ratio to other links: the headline keeps
+    one part's runs per method and ratio (the first that ran it), and its speed-up line is drawn against
+    the DDP window of that part, not of another machine's."""
+    import wan_report
+
+    def row(key, part, ratio=50, repeat=0, seconds=100.0, **extra):
+        return {"key": key, "part": part, "ratio": ratio, "repeat": repeat, "s": seconds, **extra}
+
+    rows = [
+        row("ddp", 0, seconds=1000.0),
+        row("muloco_4bit", 0, seconds=50.0),
+        row("ddp", 1, seconds=800.0, reference=True),
+        row("muloco_4bit", 1, seconds=45.0),  # again on part 1's machine: not the headline's
+        row("hivemind_4bit", 1, seconds=80.0),
+        row("ddp", 0, ratio=5, seconds=100.0),
+        row("muloco_4bit", 0, ratio=5, seconds=30.0),
+    ]
+    heads = wan_report.headline_rows(rows)
+    assert [(r["key"], r["part"], r["ratio"]) for r in heads] == [
+        ("ddp", 0, 50),
+        ("muloco_4bit", 0, 50),
+        ("hivemind_4bit", 1, 50),
+        ("ddp", 0, 5),
+        ("muloco_4bit", 0, 5),
+    ]
+    monkeypatch.setattr(wan_report, "planner_s", lambda r, link: r["s"])  # the planner has its own tests
+    curves = wan_report.headline_speedups(rows, 50, [1.0, 10.0], 20.0)
+    assert curves == {"ddp": [1.0, 1.0], "muloco_4bit": [20.0, 20.0], "hivemind_4bit": [10.0, 10.0]}
 
 
 def test_repeats_are_compared_within_each_repeat_and_summarized_by_median_and_spread():
