@@ -443,13 +443,14 @@ def report(saved: dict, args, runs_s: float | None) -> int:
         print(format_markdown(once) if args.markdown else format_table(once))
     if repeats_of(rows) > 1:
         print(format_repeats(shown))
+    heads = headline_rows(rows)
     if len({r.get("part", 0) for r in rows}) > 1:
         print("The headline: each method at each ratio from the first part that ran it")
-        print(format_repeats(headline_rows(rows)))
+        print(format_repeats(heads))
     if args.plots and rows:
         first = saved["links"][0]
         curves = headline_speedups(rows, first["ratio"], PLOT_RATES, first["delay_ms"])
-        points = [p for p in headline_rows(rows) if p["delay_ms"] == first["delay_ms"]]
+        points = [p for p in heads if p["delay_ms"] == first["delay_ms"]]
         plot(
             curves, PLOT_RATES, points, {k: r.label for k, r in ROWS.items()}, args.plots / "wan_speedup.png"
         )

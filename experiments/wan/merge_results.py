@@ -30,15 +30,12 @@ from pathlib import Path
 
 def merge(parts: list[dict], reruns: tuple[dict, ...] = (), curves: dict | None = None) -> dict:
     first = parts[0]
-    if any(
-        p["target_val_loss"] != first["target_val_loss"] for p in (*parts, *reruns, *filter(None, [curves]))
-    ):
+    everyone = (*parts, *reruns, *filter(None, [curves]))
+    if any(p["target_val_loss"] != first["target_val_loss"] for p in everyone):
         raise ValueError(
             "results from different curves (DDP's final val loss differs): rerun with --reuse-curves"
         )
-    first = {**first, "curves": union_curves([p["curves"] for p in (*parts, *reruns)])}
-    if curves is not None:
-        first = {**first, "curves": union_curves([first["curves"], curves["curves"]])}
+    first = {**first, "curves": union_curves([p["curves"] for p in everyone])}
     merged = {**first, "links": [], "rows": [], "commands": [p["command"] for p in parts]}
     for index, part in enumerate(parts):
         earlier = {link["label"] for link in merged["links"]}
