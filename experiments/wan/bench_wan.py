@@ -10,7 +10,9 @@ the table says so.
 
 1. Curves (loopback, wan_runs.py): DDP's 1x run sets the target, its final val loss. Each other row trains
    horizons of --horizons x DDP's steps in turn until one ends at or below the target (at most 3x),
-   starting from the committed headline's horizon (--expect-horizons), and its 1x run (equal tokens).
+   starting from the committed headline's horizon (--expect-horizons), and its 1x run (equal tokens). A
+   torch row whose expected horizon's next shorter misses leaves that horizon to its first link run (the
+   same losses): find_horizons' `deferred`.
 2. Links (the testbed, 4 hosts): each row over each link. A low-communication row runs in full at its
    horizon, and its wall-clock is its train clock to its first evaluation at or below the target. A
    per-step row (DDP, + PowerSGD, + bf16) runs a window of --window steps over the link: its median step
@@ -20,7 +22,7 @@ the table says so.
 3. Report (wan_report.py): the table, the planner's projection of each measured run (muloco.net.wan),
    and with --plots the planner's speed-up over DDP from 1 Mbit/s to 10 Gbit/s with the measured points.
 
-    python experiments/wan/bench_wan.py --plots docs/img          # everything (root; ~100 min on 2 cores)
+    python experiments/wan/bench_wan.py --plots docs/img          # everything (root; 76 min at 25.6 ms/step)
     python experiments/wan/bench_wan.py --quick                   # two rows, a few outer steps (< 2 min)
     python experiments/wan/bench_wan.py --report-only --markdown  # the table again, from the JSON
     python experiments/wan/bench_wan.py --curves-only
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,7 +57,7 @@ from wan_report import (
     repeats_of,
 )
 from wan_rows import ROWS, Row
-from wan_runs import completed_curve, first_at_or_below, loopback_curve, on_link
+from wan_runs import completed_curve, first_at_or_below, keep_as_curve, loopback_curve, on_link
 
 from muloco.net.testbed import Testbed, missing_requirements
 from muloco.net.wan import Link
@@ -64,6 +67,7 @@ ROOT = HERE.parents[1]
 BATCH_TOKENS = 2048  # pico's
 WORKERS = 4
 EXPECTED = HERE / "results/wan_headline.json"  # the committed headline: its horizons are tried first
+QUICK_HORIZONS = {"muloco_4bit": 2.0}  # --quick: its 2x run is the link's (find_horizons' deferred)
 COMPUTE_BOUND_ROWS = ("ddp", "ddp_powersgd", "ddp_bf16", "muloco_4bit", "streaming_4bit")
 PLOT_RATES = [10 ** (k / 8) for k in range(0, 33)]  # 1 Mbit/s to 10 Gbit/s
 
@@ -103,9 +107,9 @@ def main() -> int:
     ap.add_argument("--report-only", action="store_true", help="re-render --out (no runs)")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     args = ap.parse_args()
-    if args.quick:  # <= 2 minutes (issue 36): one horizon (2x reaches DDP's loss), a short window
-        args.rows, args.steps, args.horizons, args.ratios = "ddp,muloco_4bit", 60, "2", "50"
-        args.window, args.eval_every, args.expect_horizons = 6, 15, None
+    if args.quick:  # <= 2 minutes (issue 36): 1x misses DDP's loss, 2x (the link's run) reaches it
+        args.rows, args.steps, args.horizons, args.ratios = "ddp,muloco_4bit", 60, "1,2", "50"
+        args.window, args.eval_every = 6, 15
     if args.report_only:
         saved = json.loads(args.out.read_text())
         return report(saved, args, runs_s=None)
@@ -128,21 +132,32 @@ def main() -> int:
 
     # 1. Curves on loopback: the target, and each row's horizon.
     try:
-        expected = expected_horizons(args.expect_horizons)
+        expected = QUICK_HORIZONS if args.quick else expected_horizons(args.expect_horizons)
     except (OSError, ValueError, KeyError) as exc:
         print(
             f"bench_wan: --expect-horizons: {exc} (a results JSON of bench_wan.py, or 'none')",
             file=sys.stderr,
         )
         return 2
+    ratios = [float(r) for r in args.ratios.split(",")]
+    on_first = [r for r in rows if ratios[0] > 1 or r.key in compute_bound]
+    deferred = frozenset() if args.curves_only else first_link_curves(rows, on_first)
     curves = find_horizons(
-        rows, args.steps, horizons, args.workdir / "curves", args.eval_every, args.reuse_curves, expected
+        rows,
+        args.steps,
+        horizons,
+        args.workdir / "curves",
+        args.eval_every,
+        args.reuse_curves,
+        expected,
+        deferred,
     )
+    phase_s = {"curves": round(time.perf_counter() - started, 1)}
     ddp_curve = curves["ddp"]
     ddp_summary = ddp_curve["runs"][0]["summary"]
     target = ddp_summary["final_val_loss"]
     compute_s = ddp_summary["worker_compute_s"] / ddp_summary["inner_steps"]
-    links = choose_links([float(r) for r in args.ratios.split(",")], compute_s, ddp_curve, args.delay_ms)
+    links = choose_links(ratios, compute_s, ddp_curve, args.delay_ms)
     print(
         f"target: DDP's final val loss {target:.4f}; compute {compute_s * 1e3:.1f} ms per DDP step; links: "
         + ", ".join(f"ratio {link['ratio']:g}: {link['label']}" for link in links),
@@ -162,6 +177,7 @@ def main() -> int:
     # 2. Every row over every link.
     results = []
     for link in links:
+        link_started = time.perf_counter()
         with Testbed(WORKERS, link["rate_mbit"], link["delay_ms"]) as testbed:
             # Where communication is cheap (ratio <= 1) the question is only what the low-communication
             # rows cost: the per-step rows and MuLoCo's fastest forms answer it (the default subset).
@@ -170,24 +186,25 @@ def main() -> int:
                 skipped = ",".join(r.key for r in rows if r not in here)
                 print(f"{link['label']}: compute-bound, skips {skipped} (--compute-bound-rows all runs them)")
             for repeat, row in ((i, row) for i in range(args.repeats) for row in here):
-                curve = curves[row.curve_row]
-                try:
-                    run = on_link(
-                        testbed,
-                        row,
-                        curve["steps"],
-                        BATCH_TOKENS,
-                        args.workdir / "links",
-                        args.eval_every,
-                        args.window if row.per_step else None,
-                    )
-                except RuntimeError as exc:  # one failed row does not cost the others
-                    print(f"bench_wan: {exc}", file=sys.stderr, flush=True)
+                run = run_over(testbed, row, curves, args)
+                if "confirm" in curves[row.key]:  # its horizon's run was this one (find_horizons)
+                    stands = confirm_on_link(curves, row.key, run)
+                    if run is not None and not stands:
+                        print(f"{row.key}: its expected horizon missed DDP's loss; runs again", flush=True)
+                        run = run_over(testbed, row, curves, args)
+                if run is None:
                     continue
+                curve = curves[row.curve_row]
                 results.append({**measure(row, link, curve, run, target), "repeat": repeat})
                 print(
                     json.dumps({k: results[-1][k] for k in ("key", "link_label", "s_to_target")}), flush=True
                 )
+        # (a link's time includes the loopback runs its rows' confirmations needed, if any)
+        phase_s[f"ratio {link['ratio']:g}"] = round(time.perf_counter() - link_started, 1)
+    for key in [k for k, c in curves.items() if "confirm" in c]:  # its row never ran: train it here
+        confirm_on_link(curves, key, None)
+    saved["phase_s"] = phase_s
+    saved["curves"] = {k: summarize_curve(c) for k, c in curves.items()}
     saved["rows"] = results
     return report(saved, args, runs_s=time.perf_counter() - started)
 
@@ -200,6 +217,7 @@ def find_horizons(
     eval_every: int,
     reuse: bool,
     expected: dict[str, float] | None = None,
+    deferred: frozenset[str] = frozenset(),
 ) -> dict:
     """Per curve row: the shortest of `horizons` (x DDP's steps) whose run ends at or below DDP's final loss
     (None: not even the longest). Without an expected horizon: tried shortest, longest, then the others
@@ -207,40 +225,163 @@ def find_horizons(
     --expect-horizons): that one first, then down the grid while it reaches, or up until it does: a row
     whose expectation holds costs it and the next shorter. reuse without one: the shortest completed run
     in `workdir` that reaches is the expectation (so no horizon the search can skip is trained). Every
-    row's 1x run is trained too: its loss at DDP's tokens."""
+    row's 1x run is trained too: its loss at DDP's tokens.
+
+    A row in `deferred` (it runs over the first link before any row that reads its curve) with an
+    expected horizon above the shortest trains only the next shorter here: if that misses, its expected
+    horizon's run is the first link's (a torch row's losses there are its loopback losses, bit for bit),
+    and its curve is pending until `confirm_on_link` (about a tenth of the one command's time saved)."""
     ddp = loopback_curve(ROWS["ddp"], steps, BATCH_TOKENS, workdir, eval_every, reuse)
-    curves = {"ddp": {"runs": [ddp], "horizon": 1.0, "steps": steps}}
+    curves = {"ddp": {"runs": [ddp], "chosen": ddp, "local": ddp, "horizon": 1.0, "steps": steps}}
     target = ddp["summary"]["final_val_loss"]
     if reuse and expected is None:  # the completed runs say where each search starts: no longer runs
         expected = reached_before(rows, steps, horizons, workdir, eval_every, target)
     for key in curve_keys(rows):
-        runs = {}
-
-        def reaches(h: float, key: str = key, runs: dict = runs) -> bool:
-            runs[h] = loopback_curve(ROWS[key], round(h * steps), BATCH_TOKENS, workdir, eval_every, reuse)
-            final = runs[h]["summary"]["final_val_loss"]
-            print(f"curve {key} {h:g}x: final {final:.4f}", flush=True)
-            return final <= target
-
+        search = HorizonSearch(key, steps, horizons, workdir, eval_every, reuse, target)
         guess = (expected or {}).get(key)
-        if guess in horizons:
-            reached = _search_from(horizons, horizons.index(guess), reaches)
+        if guess in horizons[1:] and key in deferred and not search.completed(guess):
+            below = horizons[horizons.index(guess) - 1]
+            if not search.reaches(below):  # the guess is the shortest if it reaches: the first link says
+                curves[key] = search.pending(guess, below)
+                continue
+            reached = _search_from(horizons, horizons.index(below), search.reaches)
+        elif guess in horizons:
+            reached = _search_from(horizons, horizons.index(guess), search.reaches)
         else:
-            reached = _search_grid(horizons, reaches)
-        # The link runs it at its horizon; one that never gets there at DDP's (its time, its loss then).
-        chosen = reached if reached is not None else horizons[0]
-        needed = [chosen, *([1.0] if 1.0 in horizons else [])]  # 1x: its loss at DDP's tokens
-        for h in needed:
-            if h not in runs:
-                reaches(h)
-        curves[key] = {
-            "runs": [runs[h] for h in sorted(runs)],
-            "chosen": runs[chosen],
-            "horizon": reached,
-            "steps": round(chosen * steps),
-        }
-    curves["ddp"]["chosen"] = ddp
+            reached = _search_grid(horizons, search.reaches)
+        curves[key] = search.curve(reached)
     return curves
+
+
+class HorizonSearch:
+    """One curve row's loopback runs, each horizon trained at most once, and the curve they give."""
+
+    def __init__(
+        self,
+        key: str,
+        steps: int,
+        horizons: list[float],
+        workdir: Path,
+        eval_every: int,
+        reuse: bool,
+        target: float,
+    ) -> None:
+        self.row, self.steps, self.horizons, self.target = ROWS[key], steps, horizons, target
+        self.workdir, self.eval_every, self.reuse = workdir, eval_every, reuse
+        self.runs: dict[float, dict] = {}
+
+    def completed(self, h: float) -> bool:
+        """A completed run of horizon `h` is in the workdir to reuse."""
+        return (
+            self.reuse
+            and completed_curve(self.row, round(h * self.steps), BATCH_TOKENS, self.workdir, self.eval_every)
+            is not None
+        )
+
+    def reaches(self, h: float) -> bool:
+        if h not in self.runs:
+            self.runs[h] = loopback_curve(
+                self.row, round(h * self.steps), BATCH_TOKENS, self.workdir, self.eval_every, self.reuse
+            )
+            print(f"curve {self.row.key} {h:g}x: final {self._final(h):.4f}", flush=True)
+        return self._final(h) <= self.target
+
+    def _final(self, h: float) -> float:
+        return self.runs[h]["summary"]["final_val_loss"]
+
+    def curve(self, reached: float | None, local: dict | None = None) -> dict:
+        """The link runs the row at its horizon; one that never gets there at DDP's (its time, its loss
+        then). Its 1x run is trained too (its loss at DDP's tokens). `local`: the loopback run whose time
+        less its compute gives the planner the row's local cost per sync (by default the chosen run's)."""
+        chosen = reached if reached is not None else self.horizons[0]
+        for h in (chosen, *([1.0] if 1.0 in self.horizons else [])):
+            self.reaches(h)
+        return {
+            "runs": [self.runs[h] for h in sorted(self.runs)],
+            "chosen": self.runs[chosen],
+            "local": local or self.runs[chosen],
+            "horizon": reached,
+            "steps": round(chosen * self.steps),
+        }
+
+    def pending(self, guess: float, below: float) -> dict:
+        """The curve before its first link run: `guess`'s steps, and `below`'s run for the local cost."""
+        if 1.0 in self.horizons:
+            self.reaches(1.0)
+        local = self.runs[below]
+        return {
+            "runs": [self.runs[h] for h in sorted(self.runs)],
+            "chosen": None,
+            "local": local,
+            "horizon": guess,
+            "steps": round(guess * self.steps),
+            "confirm": lambda run: self._confirm(guess, local, run),
+        }
+
+    def _confirm(self, guess: float, local: dict, link_run: dict | None) -> tuple[dict, bool]:
+        """The curve once the first link has run `guess` (None: that run failed, train it here). True
+        with it when that run stands; False when the guess missed and the row must run again at the
+        horizon the search found upwards from it."""
+        if link_run is not None:
+            self.runs[guess] = link_run
+        i = self.horizons.index(guess)
+        reached = next((h for h in self.horizons[i:] if self.reaches(h)), None)
+        stands = link_run is not None and reached == guess
+        if stands:  # kept with the loopback runs, so that --reuse-curves finds it there
+            keep_as_curve(
+                self.row, round(guess * self.steps), BATCH_TOKENS, link_run, self.workdir, self.eval_every
+            )
+        return self.curve(reached, local), stands
+
+
+def confirm_on_link(curves: dict, key: str, link_run: dict | None) -> bool:
+    """Settle a pending curve (find_horizons' `deferred`) with its row's first link run: True when that run
+    is the curve's (its horizon held), False when the row must run over the link again at its new steps.
+    A loopback run the settling needs that fails leaves the expected horizon, unconfirmed, and the link's
+    run as measured (the results so far are not lost)."""
+    try:
+        curve, stands = curves[key]["confirm"](link_run)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(
+            f"bench_wan: {key}: {exc}; its expected horizon stands unconfirmed", file=sys.stderr, flush=True
+        )
+        del curves[key]["confirm"]
+        return True
+    curves[key] = curve
+    return stands
+
+
+def first_link_curves(rows: list[Row], on_first: list[Row]) -> frozenset[str]:
+    """The curve rows whose horizon's loopback run the first link's run can stand in for (find_horizons'
+    `deferred`): torch rows (a twin on another backend has other losses) that run over the first link,
+    each before every row that reads its curve (so those run at its confirmed steps)."""
+    order = [r.key for r in rows]
+    return frozenset(
+        r.key
+        for r in on_first
+        if r.backend == "torch"
+        and not r.per_step
+        and r.twin is None
+        and all(order.index(t.key) > order.index(r.key) for t in rows if t.curve_row == r.key and t is not r)
+    )
+
+
+def run_over(testbed: Testbed, row: Row, curves: dict, args) -> dict | None:
+    """`row` over the testbed at its curve's steps (a per-step row: a window); None if it failed (one failed
+    row does not cost the others)."""
+    try:
+        return on_link(
+            testbed,
+            row,
+            curves[row.curve_row]["steps"],
+            BATCH_TOKENS,
+            args.workdir / "links",
+            args.eval_every,
+            args.window if row.per_step else None,
+        )
+    except RuntimeError as exc:
+        print(f"bench_wan: {exc}", file=sys.stderr, flush=True)
+        return None
 
 
 def curve_keys(rows: list[Row]) -> list[str]:
@@ -319,7 +460,7 @@ def local_s_per_sync(loopback: dict, per_step: bool) -> float:
 
 def measure(row: Row, link: dict, curve: dict, run: dict, target: float) -> dict:
     """One table row: `row` over `link`, from its run there and its curve."""
-    summary, final = run["summary"], curve["chosen"]
+    summary = run["summary"]
     out = {
         "key": row.key,
         "label": row.label,
@@ -333,9 +474,10 @@ def measure(row: Row, link: dict, curve: dict, run: dict, target: float) -> dict
         "transport": summary.get("transport"),
         "overlap": summary.get("overlap") or 0,
         "process_wall_s": run["process_wall_s"],
-        "local_s_per_sync": local_s_per_sync(final["summary"], row.per_step),
+        "local_s_per_sync": local_s_per_sync(curve["local"]["summary"], row.per_step),
     }
     if row.per_step:
+        final = curve["chosen"]
         step_s = run["step_s_median"]
         reached = first_at_or_below(final["evals"], target)
         steps = reached["step"] if reached else None
@@ -455,6 +597,8 @@ def report(saved: dict, args, runs_s: float | None) -> int:
             curves, PLOT_RATES, points, {k: r.label for k, r in ROWS.items()}, args.plots / "wan_speedup.png"
         )
         print(f"wrote {args.plots / 'wan_speedup.png'}")
+    if runs_s is not None and saved.get("phase_s"):
+        print("phases: " + ", ".join(f"{name} {s / 60:.1f} min" for name, s in saved["phase_s"].items()))
     print(f"wrote {args.out}" + (f" ({runs_s / 60:.1f} min)" if runs_s else ""))
     return 0
 

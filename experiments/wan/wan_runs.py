@@ -2,7 +2,8 @@
 
 Curves: a row's loss does not depend on the link (torch's collectives reduce in the same order on loopback
 as over the testbed), so each row's horizons are trained once, on loopback (`muloco launch --nproc 4`),
-to find the shortest horizon that reaches DDP's final loss. Links: each row is then run over each link, the
+to find the shortest horizon that reaches DDP's final loss (or one of them over the first link, which then
+stands for its loopback run: keep_as_curve). Links: each row is then run over each link, the
 low-communication rows in full at that horizon, the per-step rows (DDP and its hooks) for a window of steps
 whose median step time, all-reduces included, times the steps they need gives their wall-clock (issue 36:
 over a slow link their full runs would take hours).
@@ -92,6 +93,20 @@ def loopback_curve(
     return read_run(workdir / name)
 
 
+def keep_as_curve(
+    row: Row, steps: int, batch_tokens: int, link_run: dict, workdir: Path, eval_every: int
+) -> None:
+    """Record a torch row's run over a link as its loopback run of `steps` in `workdir` (its losses are the
+    loopback run's, bit for bit), so that completed_curve and --reuse-curves find it like any other."""
+    name = f"{row.key}_{steps}"
+    shutil.rmtree(workdir / name, ignore_errors=True)
+    (workdir / name).mkdir(parents=True)
+    for file in ("metrics.jsonl", "summary.json"):
+        shutil.copy2(link_run["run_dir"] / file, workdir / name / file)
+    overrides = run_overrides(row, steps, batch_tokens, name, workdir, eval_every)
+    (workdir / f"{name}.args.json").write_text(json.dumps(overrides))
+
+
 def _same_run(saved: list[str], overrides: list[str]) -> bool:
     """The same run's overrides, wherever its directory was then (a workdir copied or moved)."""
 
@@ -134,6 +149,7 @@ def on_link(
         raise RuntimeError(f"{name} failed (exit codes {run.returncodes}); see {run.logs}")
     first = {"torch": name, "hivemind": f"{name}-peer0", "torchft": f"{name}-worker0"}[row.backend]
     result = read_run(workdir / first)
+    result["run_dir"] = workdir / first
     result["wire_bytes_per_worker"] = sum(run.wire_sent) / len(run.wire_sent)
     result["process_wall_s"] = round(run.wall_s, 1)
     result["harness_s"] = round(time.perf_counter() - started, 1)

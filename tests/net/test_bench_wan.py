@@ -94,6 +94,62 @@ def test_an_expected_horizon_is_tried_first_and_the_search_still_finds_the_short
     } == searched
 
 
+def test_a_deferred_horizon_is_trained_by_the_first_link_and_searched_on_where_it_misses(monkeypatch):
+    """The one command: a torch row's expected horizon is not trained on loopback when its next shorter
+    misses; its first link run (the same losses) confirms it, or the search goes on upwards and the row
+    runs again; a failed link run is trained on loopback. A twin that runs first keeps its row's search."""
+    import bench_wan
+    from wan_rows import ROWS
+
+    needs = {"ddp": 1.0, "muloco_4bit": 2.0, "muloco_fp32": 1.5, "diloco_fp32": 3.0}
+    runs = _fake_curves(monkeypatch, bench_wan, needs)
+    keys = ("ddp", "muloco_4bit", "torchft_4bit", "muloco_fp32", "diloco_fp32")
+    rows = [ROWS[k] for k in keys]
+    deferred = bench_wan.first_link_curves(rows, rows)
+    assert deferred == {"muloco_4bit", "muloco_fp32", "diloco_fp32"}  # not DDP's, not a twin's
+    twin_first = [ROWS[k] for k in ("ddp", "torchft_4bit", "muloco_4bit")]
+    assert bench_wan.first_link_curves(twin_first, twin_first) == frozenset()
+    assert bench_wan.first_link_curves(rows, rows[:2]) == {"muloco_4bit"}  # only rows on the first link
+
+    expected = {"muloco_4bit": 2.0, "muloco_fp32": 2.0, "diloco_fp32": 2.0}  # diloco's guess too short
+    curves = bench_wan.find_horizons(rows, 100, [1, 1.5, 2, 3], Path("unused"), 45, False, expected, deferred)
+    assert runs == [
+        ("ddp", 100),
+        *[("muloco_4bit", s) for s in (150, 100)],  # 150 misses: 200 is the first link's
+        *[("muloco_fp32", s) for s in (150, 100)],  # 150 reaches: searched here as before
+        *[("diloco_fp32", s) for s in (150, 100)],
+    ]
+    assert {k for k, c in curves.items() if "confirm" in c} == {"muloco_4bit", "diloco_fp32"}
+    assert curves["muloco_4bit"]["steps"] == 200 and curves["muloco_4bit"]["chosen"] is None
+    assert curves["muloco_fp32"]["horizon"] == 1.5 and "confirm" not in curves["muloco_fp32"]
+
+    runs.clear()
+    kept = []
+    monkeypatch.setattr(bench_wan, "keep_as_curve", lambda row, steps, *rest: kept.append((row.key, steps)))
+    link_run = {"summary": {"final_val_loss": 1.0, "inner_steps": 200}, "evals": [], "over_link": True}
+    assert bench_wan.confirm_on_link(curves, "muloco_4bit", link_run)  # it stands: no run here
+    held = curves["muloco_4bit"]
+    assert runs == [] and held["chosen"] is link_run and held["horizon"] == 2 and "confirm" not in held
+    assert kept == [("muloco_4bit", 200)]  # with the loopback runs, for --reuse-curves
+    assert held["local"]["summary"]["inner_steps"] == 150  # the planner's local cost: a loopback run's
+    missed = {"summary": {"final_val_loss": 1.5, "inner_steps": 200}, "evals": []}
+    assert not bench_wan.confirm_on_link(curves, "diloco_fp32", missed)  # up the grid; runs again at 300
+    assert runs == [("diloco_fp32", 300)] and curves["diloco_fp32"]["steps"] == 300
+    assert [r["summary"]["inner_steps"] for r in curves["diloco_fp32"]["runs"]] == [100, 150, 200, 300]
+
+    curves = bench_wan.find_horizons(rows, 100, [1, 1.5, 2, 3], Path("unused"), 45, False, expected, deferred)
+    runs.clear()
+    assert not bench_wan.confirm_on_link(curves, "muloco_4bit", None)  # its link run failed
+    assert runs == [("muloco_4bit", 200)] and curves["muloco_4bit"]["horizon"] == 2
+
+    def failing_curve(*args):
+        raise RuntimeError("diloco_fp32_300 failed on loopback")
+
+    monkeypatch.setattr(bench_wan, "loopback_curve", failing_curve)  # the upward search's run fails:
+    assert bench_wan.confirm_on_link(curves, "diloco_fp32", missed)  # the link's run stands, unconfirmed
+    assert "confirm" not in curves["diloco_fp32"] and curves["diloco_fp32"]["steps"] == 200
+
+
 def test_reused_curves_start_each_search_at_the_shortest_completed_run_that_reached(monkeypatch):
     """--reuse-curves without --expect-horizons: where a completed run reaches DDP's loss the search starts
     there (it once trained 3x runs the curves phase had skipped); a row with none searches the grid."""
@@ -323,8 +379,9 @@ def test_links_are_solved_byte_bound_and_a_delay_too_long_for_the_ratio_is_lower
     assert refused["latency_ms_max"] == 3  # 8 x 2 x 3 ms = 48 ms <= 50 ms; 4 ms would be 64 ms
 
 
-# Time (~100 s alone, up to 170 s beside another file): DDP's 60-step curve and MuLoCo 4-bit's at 2x on
-# loopback, then DDP's window and MuLoCo's 120 steps over one 4-host link (ratio 50, 20 ms one way).
+# Time (~100 s alone, up to 170 s beside another file): DDP's and MuLoCo 4-bit's 60-step curves on
+# loopback, then DDP's window and MuLoCo's 120 steps (its 2x) over one 4-host link (ratio 50, 20 ms one way),
+# then those 120 steps on loopback too (the premise of the deferral).
 @pytest.mark.slow(seconds=150)
 @pytest.mark.skipif(REASON is not None, reason=f"the testbed: {REASON}")
 def test_the_quick_benchmark_measures_both_rows_over_one_link(tmp_path):
@@ -355,3 +412,13 @@ def test_the_quick_benchmark_measures_both_rows_over_one_link(tmp_path):
     assert muloco["evals"] and all(e["clock_s"] >= 0 for e in muloco["evals"])
     assert muloco["run_bytes_per_worker"] < ddp["run_bytes_per_worker"] / 10
     assert (tmp_path / "wan_speedup.png").stat().st_size > 0
+    # Its 1x run on loopback misses DDP's loss; its 2x run, over the link, is its curve's (deferred).
+    curve = saved["curves"]["muloco_4bit"]
+    assert curve["horizon"] == 2 and [r["steps"] for r in curve["runs"]] == [60, 120]
+    # The premise: a torch row's losses over the link are its loopback losses, bit for bit.
+    from wan_rows import ROWS
+    from wan_runs import loopback_curve
+
+    loopback = loopback_curve(ROWS["muloco_4bit"], 120, 2048, tmp_path / "loopback", 15)
+    assert [e["val_loss"] for e in loopback["evals"]] == [e["val_loss"] for e in muloco["evals"]]
+    assert muloco["val_equal_tokens"] == curve["runs"][0]["final_val_loss"] > saved["target_val_loss"]
