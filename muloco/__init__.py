@@ -9,9 +9,16 @@ Map of the package (arrows point down only; docs/design.md draws it):
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# Bit-for-bit resumes and reruns on every x86-64 CPU: without it MKL's GEMM may give results that depend on
+# its operands' memory alignment (Intel's "Conditional Numerical Reproducibility"), so a resumed process,
+# whose allocations differ, can drift by an ulp from the uninterrupted one (seen on AVX-512: PowerSGD's
+# resume over 2 processes). MKL reads it when it first runs, after this import; a user's own setting wins.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 if TYPE_CHECKING:
     from muloco.config import Config, load_config
