@@ -180,5 +180,8 @@ def test_engine_matches_the_paper_algorithm(tmp_path, tiny, workers):
         trainer.engine.outer.names, trainer.engine.outer.params, reference, strict=True
     ):
         # The engine's Newton-Schulz stacks same-shape matrices and runs rectangular ones through the Gram
-        # variant: the same polynomial in another summation order, so agreement is to float rounding.
-        torch.testing.assert_close(ours, theirs, rtol=2e-5, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
+        # variant: the same polynomial in another summation order, so agreement is to float rounding. Its
+        # largest gap after 12 inner steps is 1.1-2.4e-6 across CPUs, kernels and MKL modes (an AVX-512 Xeon
+        # with MKL_CBWR=AUTO,STRICT: 2.35e-6, over the 2e-6 this allowed before); an error in the algorithm
+        # moves parameters by ~lr (1e-3 and more), so 5e-6 still tells the two apart.
+        torch.testing.assert_close(ours, theirs, rtol=2e-5, atol=5e-6, msg=lambda m, n=name: f"{n}: {m}")
