@@ -140,7 +140,7 @@ def main() -> int:
         )
         return 2
     ratios = [float(r) for r in args.ratios.split(",")]
-    on_first = [r for r in rows if ratios[0] > 1 or r.key in compute_bound]
+    on_first = rows_over(ratios[0], rows, compute_bound)
     deferred = frozenset() if args.curves_only else first_link_curves(rows, on_first)
     curves = find_horizons(
         rows,
@@ -181,7 +181,7 @@ def main() -> int:
         with Testbed(WORKERS, link["rate_mbit"], link["delay_ms"]) as testbed:
             # Where communication is cheap (ratio <= 1) the question is only what the low-communication
             # rows cost: the per-step rows and MuLoCo's fastest forms answer it (the default subset).
-            here = [r for r in rows if link["ratio"] > 1 or r.key in compute_bound]
+            here = rows_over(link["ratio"], rows, compute_bound)
             if len(here) < len(rows):
                 skipped = ",".join(r.key for r in rows if r not in here)
                 print(f"{link['label']}: compute-bound, skips {skipped} (--compute-bound-rows all runs them)")
@@ -296,12 +296,18 @@ class HorizonSearch:
         chosen = reached if reached is not None else self.horizons[0]
         for h in (chosen, *([1.0] if 1.0 in self.horizons else [])):
             self.reaches(h)
+        return self._as_curve(self.runs[chosen], local or self.runs[chosen], reached, chosen)
+
+    def _as_curve(self, chosen: dict | None, local: dict, horizon: float | None, at: float) -> dict:
+        """The curve's fields: its runs so far, the chosen one (None: pending), the loopback run for the
+        local cost, its horizon (None: none reached) and the steps the links run (`at` x DDP's)."""
+        runs = [self.runs[h] for h in sorted(self.runs)]
         return {
-            "runs": [self.runs[h] for h in sorted(self.runs)],
-            "chosen": self.runs[chosen],
-            "local": local or self.runs[chosen],
-            "horizon": reached,
-            "steps": round(chosen * self.steps),
+            "runs": runs,
+            "chosen": chosen,
+            "local": local,
+            "horizon": horizon,
+            "steps": round(at * self.steps),
         }
 
     def pending(self, guess: float, below: float) -> dict:
@@ -309,14 +315,8 @@ class HorizonSearch:
         if 1.0 in self.horizons:
             self.reaches(1.0)
         local = self.runs[below]
-        return {
-            "runs": [self.runs[h] for h in sorted(self.runs)],
-            "chosen": None,
-            "local": local,
-            "horizon": guess,
-            "steps": round(guess * self.steps),
-            "confirm": lambda run: self._confirm(guess, local, run),
-        }
+        curve = self._as_curve(None, local, guess, guess)
+        return {**curve, "confirm": lambda run: self._confirm(guess, local, run)}
 
     def _confirm(self, guess: float, local: dict, link_run: dict | None) -> tuple[dict, bool]:
         """The curve once the first link has run `guess` (None: that run failed, train it here). True
@@ -349,6 +349,12 @@ def confirm_on_link(curves: dict, key: str, link_run: dict | None) -> bool:
         return True
     curves[key] = curve
     return stands
+
+
+def rows_over(ratio: float, rows: list[Row], compute_bound: list[str]) -> list[Row]:
+    """The rows a link of `ratio` runs: all of them, or where communication is cheap (ratio <= 1) only
+    `compute_bound`'s (--compute-bound-rows)."""
+    return [r for r in rows if ratio > 1 or r.key in compute_bound]
 
 
 def first_link_curves(rows: list[Row], on_first: list[Row]) -> frozenset[str]:
