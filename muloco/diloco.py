@@ -29,8 +29,8 @@ from muloco.compress import Compressor
 from muloco.config import CompressionConfig, HivemindBackendConfig, OuterConfig, SyncConfig
 from muloco.errors import UserError
 from muloco.run.replica import Replica
-from muloco.run.state import CommLedger, Progress
 from muloco.sync import CollectiveReducer, Reducer, SyncEngine, SyncRecord
+from muloco.sync.counters import CommLedger, Progress
 
 STATE_FORMAT = 2  # of state_dict(): 2 = the engine's state, progress and ledger (1: outer and counters)
 
@@ -159,25 +159,17 @@ class DiLoCo:
     @torch.no_grad()
     def step(self, loss: float | torch.Tensor | None = None) -> bool:
         """Count one inner step (pass its loss to have a non-finite one leave this replica out of the
-        next sync); at a sync event apply the syncs due and start the ones scheduled. Every process must
-        call it the same number of times: syncs are collectives. Returns True when a sync was applied."""
+        next sync); at a sync event the engine's round applies the syncs due and starts the ones
+        scheduled. Every process must call it the same number of times: syncs are collectives. Returns True
+        when a sync was applied."""
         self._join()
         if isinstance(loss, torch.Tensor):
             self._non_finite = ~torch.isfinite(loss.detach()).all() | self._non_finite
         elif loss is not None and not math.isfinite(loss):
             self._non_finite = True
-        self.progress.steps += 1
-        self.replica.inner_steps = self.progress.steps
-        step, engine = self.progress.steps, self.engine
-        engine.trained()
-        finishing, starting = engine.due(step)
-        self.records = [engine.finish(sync, [self.replica]) for sync in finishing]
-        if starting:
-            self._check_losses()
-        for fragment in starting:
-            sync = engine.start(fragment, [self.replica], step)
-            if sync.apply_step <= step:
-                self.records.append(engine.finish(sync, [self.replica]))
+        step = self.progress.steps + 1
+        self.replica.inner_steps = step
+        self.records = self.engine.round(step, [self.replica], before_start=self._check_losses)
         return self._applied()
 
     def _join(self) -> None:
@@ -199,12 +191,8 @@ class DiLoCo:
         """Sync now: apply every sync in flight, then sync every fragment at once (tau = 0). Every process
         must call it at the same point. Returns the norm of the last outer update."""
         self._join()
-        engine, step = self.engine, self.progress.steps
-        self.records = [engine.finish(sync, [self.replica]) for sync in list(engine.in_flight)]
-        self._check_losses()
-        for fragment in range(len(engine.fragments)):
-            sync = engine.start(fragment, [self.replica], step, delay=0)
-            self.records.append(engine.finish(sync, [self.replica]))
+        step = self.progress.steps
+        self.records = self.engine.round(step, [self.replica], before_start=self._check_losses, now=True)
         self._applied()
         return self.last_update_norm
 

@@ -1,4 +1,5 @@
-"""Building a run's pieces from the config: the device, autocast, the replicas, the alignment probe."""
+"""Building a run's pieces from the config: the device, autocast, the counters, the replicas with their sync
+engine (DiLoCo) or data-parallel step (dp), the alignment probe."""
 
 from __future__ import annotations
 
@@ -15,15 +16,17 @@ from muloco.comm.topology import Topology
 from muloco.config import Config
 from muloco.data import ReplicaStream
 from muloco.errors import ConfigError, UserError
-from muloco.models import ParamRole, param_roles
+from muloco.models import ParamRole, build_model, param_roles
+from muloco.models.init import InitSource, initialize
+from muloco.net.wan import Link
 from muloco.optim import build_inner_optimizer
 from muloco.run.alignment import AlignmentProbe, UnionStream
 from muloco.run.ddp_hooks import CommHookDDP
 from muloco.run.dp import DataParallel
 from muloco.run.offload import ReplicaOffload
 from muloco.run.replica import Replica
-from muloco.run.state import CommLedger, Progress, WanProjection
 from muloco.sync import Reducer, SyncEngine
+from muloco.sync.counters import CommLedger, Progress, WanProjection
 
 
 def resolve_device(name: str) -> torch.device:
@@ -216,3 +219,49 @@ def sync_engine(
         wan=wan,
         shard_group=shard_group,
     )
+
+
+def run_counters(cfg: Config, num_params: int) -> dict:
+    """The run's counters (sync/counters.py), by component name: progress, the byte ledger and the WAN
+    projection on backend.local's configured link (none without a bandwidth)."""
+    progress = Progress()
+    bandwidth = cfg.backend.local.bandwidth_mbps
+    link = Link(bandwidth, cfg.backend.local.latency_ms) if bandwidth else None
+    wan = WanProjection(link=link, progress=progress)
+    return {"progress": progress, "ledger": CommLedger(num_params=num_params), "wan": wan}
+
+
+def training_method(
+    cfg: Config,
+    template: nn.Module,
+    streams: list[ReplicaStream],
+    where: tuple,
+    batch_shape: tuple[int, int],
+    counters: dict,
+) -> tuple[list[Replica], SyncEngine | None, DataParallel | None]:
+    """This process's replicas and what keeps them in step: the sync engine (DiLoCo) or the data-parallel
+    step (dp). where: (backend, topology, reducer, local replica indices, device, offload)."""
+    backend, topology, reducer, local_indices, device, offload = where
+    if cfg.method == "dp":
+        replicas = [dp_replica(cfg, template, local_indices[0], streams[0], device)]
+        return replicas, None, data_parallel(cfg, replicas[0], streams, backend, batch_shape, **counters)
+    replicas = diloco_replicas(cfg, template, local_indices, streams, device, topology, offload)
+    # Sharded: the engine holds this rank's rows of the wrapped model's parameters.
+    initial = replicas[0].model if topology.sharded else template
+    shards = topology.worker if topology.sharded else None
+    return (
+        replicas,
+        sync_engine(cfg, initial, reducer, replicas, device, shard_group=shards, **counters),
+        None,
+    )
+
+
+def initial_model(cfg: Config, vocab_size: int, backend) -> tuple[nn.Module, InitSource | None]:
+    """The model every replica starts from: the seeded initialization, or the weights model.hf.pretrained /
+    model.init_from name (models/init.py). With several processes rank 0's weights are also broadcast
+    (every process must take part), so all replicas start identical."""
+    torch.manual_seed(cfg.run.seed)
+    template = build_model(cfg.model, vocab_size)
+    init_source = initialize(template, cfg.model)
+    backend.broadcast([p.data for p in template.parameters()], src=0).wait()
+    return template, init_source

@@ -14,8 +14,8 @@ from muloco.comm import Backend, ring_allreduce_bytes
 from muloco.net.wan import allreduce_seconds
 from muloco.run.ddp_hooks import CommHookDDP
 from muloco.run.replica import Replica, forward_backward, set_lr_multiplier
-from muloco.run.state import CommLedger, Progress, WanProjection
-from muloco.sync.engine import global_norm
+from muloco.sync.counters import CommLedger, Progress, WanProjection
+from muloco.sync.gather import global_norm
 from muloco.sync.guard import BadSyncGuard
 
 

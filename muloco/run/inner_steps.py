@@ -12,7 +12,7 @@ from muloco.run.batched import step_together
 from muloco.run.offload import ReplicaOffload
 from muloco.run.replica import Replica
 from muloco.run.signals import StopRequest
-from muloco.run.state import Progress
+from muloco.sync.counters import Progress
 
 log = logging.getLogger("muloco")
 

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from muloco.models import describe_model
+
 log = logging.getLogger("muloco")
 
 
@@ -147,6 +149,20 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def run_start_fields(cfg, run_dir, local_replicas: int, device) -> dict[str, Any]:
+    """The start line's first fields: the run and what trains it."""
+    return {
+        "run": cfg.run.name,
+        "dir": run_dir,
+        "method": cfg.method if cfg.dp.comm_hook == "none" else f"dp+{cfg.dp.comm_hook}",
+        "inner": cfg.inner.optimizer,
+        "workers": cfg.workers,
+        "local_replicas": local_replicas,
+        "device": device,
+        "model": describe_model(cfg.model),
+    }
 
 
 def log_run_start(fields: dict[str, Any], optimizer, offload_ignored: bool) -> None:

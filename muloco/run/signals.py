@@ -55,9 +55,18 @@ class StopRequest:
         step would cost a collective per step over the slow link DiLoCo is meant to spare."""
         return self.signal is not None and self.backend.world_size == 1
 
+    def agreed_at(self, step: int, period: int) -> bool:
+        """`agreed` after the round that ended at inner step `step`, asked once per `period` inner steps
+        (DiLoCo: H, plain DiLoCo's every round, streaming's every 2P-th; dp: a log line's) and every round
+        in a single process (no collective). Every rank answers the same: a signal stops the run within two
+        periods."""
+        if self.backend.world_size > 1 and step % period != 0:
+            return False
+        return self.agreed()
+
     def agreed(self) -> bool:
         """Whether any rank got SIGINT/SIGTERM. With several processes every rank calls this at the same
-        rounds (the trainer's `_agreement_due`): the ranks' flags are summed by a collective started here
+        rounds (`agreed_at`): the ranks' flags are summed by a collective started here
         and read at the next call, so all ranks stop after the same round and no round waits on a round
         trip of its own (over a 20 ms link a 4-rank all-reduce of one float takes ~85 ms, more than a
         pico round's compute)."""

@@ -1,13 +1,19 @@
 """The sync engine: from the replicas' inner steps to the next round (DESIGN.md, "Layers").
 
-- `engine.py`: `SyncEngine`, one sync in two halves (`start` -> `InFlightSync`, `finish` -> `SyncRecord`),
-  its schedule (`due`), error-feedback buffers, checkpoint state; its docstring walks through a sync.
+- `engine.py`: `SyncEngine`: the round (`round`: apply what is due, start what is scheduled, follow a moved
+  quorum), one sync in two halves (`start` -> `InFlightSync`, `finish` -> `SyncRecord`), error-feedback
+  buffers; its docstring walks through a round. `engine_state.py`: its checkpoint state.
+- `counters.py`: the run's counters the engine books into (`Progress`, `CommLedger`, `WanProjection`).
+- `gather.py`: this process's part of a sync (`Gathered`: the replicas' pseudogradients, summed or encoded).
+- `messages.py`: how each fragment travels (codecs, transport, the part owners' feedback), decided once.
 - `outer.py`: the fp32 global copy and the outer Nesterov step (`nesterov_outer_step`, `OuterOptimizer`).
-- `fragments.py`: Streaming DiLoCo's fragments (`assign_fragments`) and their staggered `SyncSchedule`.
+- `fragments.py`: Streaming DiLoCo's fragments (`assign_fragments`, the `Fragment` object) and their
+  staggered `SyncSchedule`.
 - `codec.py`: a replica's message (`PseudogradientCodec`: per-parameter compressors, encode, decode-mean).
 - `reduce.py`: the `Reducer` protocol, `Contribution`, `Mean`, `PendingMean`, and `CollectiveReducer`
-  (local / torch.distributed with the worker topology); the swarm's is `muloco.comm.hivemind.SwarmReducer`.
-- `inflight.py`: `InFlightSync` (a sync between start and application, checkpointable) and `SyncRecord`.
+  (local / torch.distributed with the worker topology); the swarm's is `SwarmReducer` (swarm.py).
+- `inflight.py`: `InFlightSync` (a sync between start and application, checkpointable), `SyncRecord` and
+  `SumCount` (a sum over this process's replicas, averaged over the processes by the caller).
 - `guard.py`: the non-finite guard (replicas left out of a sync; `train.max_bad_syncs`).
 - `elastic.py`: `ElasticReducer`, the reducer over a torchft quorum (`muloco.comm.torchft_group`): a quorum
   per sync, retries, a rejoining worker's live heal (imports torchft lazily).
@@ -17,8 +23,10 @@
 
 from __future__ import annotations
 
-from muloco.sync.engine import SyncEngine, build_codecs, global_norm
-from muloco.sync.inflight import InFlightSync, SyncRecord
+from muloco.sync.engine import SyncEngine
+from muloco.sync.gather import global_norm
+from muloco.sync.inflight import InFlightSync, SumCount, SyncRecord
+from muloco.sync.messages import build_codecs
 from muloco.sync.reduce import CollectiveReducer, Contribution, Mean, PendingMean, Reducer
 
 
@@ -44,6 +52,7 @@ __all__ = [
     "Mean",
     "PendingMean",
     "Reducer",
+    "SumCount",
     "SyncEngine",
     "SyncRecord",
     "build_codecs",

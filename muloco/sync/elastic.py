@@ -39,8 +39,8 @@ from muloco.comm.topology import Topology
 from muloco.comm.torchft_group import QuorumFailed, TorchftGroup
 from muloco.config import TorchftBackendConfig
 from muloco.errors import TrainingError, UserError
-from muloco.run.state import Component
 from muloco.sync.codec import PseudogradientCodec, pack
+from muloco.sync.counters import Component
 from muloco.sync.digest import state_digest
 from muloco.sync.reduce import Contribution, Mean, PendingMean, SharedState, share_with_worker
 

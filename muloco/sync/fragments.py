@@ -20,7 +20,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from muloco.sync.outer import OuterOptimizer
 
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(\d+)\.")
 
@@ -95,3 +100,44 @@ class SyncSchedule:
     def table(self, steps: int) -> list[tuple[int, int, int]]:
         """(start step, fragment, apply step) of every scheduled sync up to `steps` (docs and tests)."""
         return [(s, p, s + self.overlap) for s in range(1, steps + 1) for p in self.starting_at(s)]
+
+
+@dataclass
+class Fragment:
+    """One of the P groups of parameters that sync together (P = 1: the whole model), with what its syncs
+    need: its rows of the fp32 global parameters and of the outer momentum (the outer step is elementwise,
+    so these are its own outer state), its codec (None: fp32 sums), its slot in the schedule, and whether
+    the replicas took inner steps that no started sync of it covers yet. Error feedback is kept per
+    replica, keyed by parameter name: a fragment's residuals are those of its `names`."""
+
+    index: int  # p, of P
+    indices: list[int]  # its parameters' positions in the model's parameter list
+    outer: OuterOptimizer = field(repr=False)
+    codec: Any = None  # PseudogradientCodec, or PartitionedCodec (reduce_scatter); None: fp32
+    offset: int = 0  # it starts a sync at every step s > 0 with s mod H == offset
+    unsynced: bool = False
+
+    @property
+    def whole(self) -> bool:
+        """The fragment is the whole model (plain DiLoCo)."""
+        return len(self.indices) == len(self.outer.params)
+
+    @property
+    def names(self) -> list[str]:
+        return [self.outer.names[i] for i in self.indices]
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [self.outer.params[i] for i in self.indices]
+
+    @property
+    def shapes(self) -> list[torch.Size]:
+        return [p.shape for p in self.params]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def outer_step(self, mean: list[torch.Tensor]) -> float:
+        """The outer Nesterov step on the fragment's global parameters; the update's norm."""
+        return self.outer.step(mean, None if self.whole else self.indices)

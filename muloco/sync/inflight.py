@@ -5,9 +5,17 @@ keeps the mean itself, so a resumed run applies exactly the same update at the s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from muloco.sync.reduce import Mean, PendingMean
+
+
+class SumCount(NamedTuple):
+    """A sum over this process's replicas and how many values it holds: the caller averages it over the
+    processes (comm.means_over_processes), so that every process logs the run's mean."""
+
+    total: float = 0.0
+    count: int = 0
 
 
 @dataclass
@@ -18,7 +26,9 @@ class InFlightSync:
     started_step: int
     apply_step: int
     result: PendingMean
-    stats: dict[str, Any] = field(default_factory=dict)  # what the sync's record reports
+    loss: SumCount = SumCount()  # the train losses of the round it closes (the caller's)
+    norm: SumCount = SumCount()  # the healthy replicas' pseudogradient norms
+    fields: dict[str, Any] = field(default_factory=dict)  # what its record reports as it is
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpointing drains the transfer (waits for the mean) and saves the mean itself."""
@@ -27,23 +37,33 @@ class InFlightSync:
             "started_step": self.started_step,
             "apply_step": self.apply_step,
             "mean": self.result.wait().state_dict(),  # plain types: torch.load(weights_only=True)
-            "stats": self.stats,
+            "loss": tuple(self.loss),
+            "norm": tuple(self.norm),
+            "fields": self.fields,
         }
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> InFlightSync:
         result = PendingMean.completed(Mean(**state["mean"]))
-        return cls(state["fragment"], state["started_step"], state["apply_step"], result, state["stats"])
+        if "stats" in state:  # a checkpoint of muloco <= 0.1.0: the sums among the fields, as pairs
+            fields = dict(state["stats"])
+            loss, norm = fields.pop("loss_sum_count", (0.0, 0)), fields.pop("norm_sum_count", (0.0, 0))
+            fields.update(fields.pop("alignment", {}))
+        else:
+            loss, norm, fields = state["loss"], state["norm"], state["fields"]
+        where = (state["fragment"], state["started_step"], state["apply_step"], result)
+        return cls(*where, SumCount(*loss), SumCount(*norm), fields)
 
 
 @dataclass
 class SyncRecord:
-    """One applied sync, for the log: `fields` go into the metrics record as they are; `sums` are
-    (sum, count) pairs over this process's replicas that the caller averages over all processes."""
+    """One applied sync, for the log: `fields` go into the metrics record as they are; `loss` and `norm`
+    are sums over this process's replicas that the caller averages over all processes."""
 
     fragment: int
     started_step: int
     step: int  # the inner step it was applied at
     outer_step: int
     fields: dict[str, Any]
-    sums: dict[str, tuple[float, int]]
+    loss: SumCount
+    norm: SumCount

@@ -9,7 +9,7 @@ from muloco.checkpoint.plain import FORMAT_VERSION, load_checkpoint, save_checkp
 from muloco.config import load_config
 from muloco.errors import CheckpointError
 from muloco.net.wan import Link
-from muloco.run.state import CommLedger, Progress, WanProjection
+from muloco.sync.counters import CommLedger, Progress, WanProjection
 from muloco.run.trainer import Trainer
 
 

@@ -10,9 +10,10 @@ import torch
 from muloco.comm.torchft_group import QuorumFailed
 from muloco.compress import ErrorFeedback
 from muloco.config import OuterConfig, SyncConfig, TorchftBackendConfig, load_config
+from muloco.diloco import DiLoCo
 from muloco.errors import ConfigError, TrainingError
 from muloco.run.replica import Replica
-from muloco.sync import SyncEngine
+from muloco.sync import SumCount, SyncEngine
 from muloco.sync.codec import pack
 from muloco.sync.digest import state_digest
 from muloco.sync.elastic import ElasticReducer
@@ -103,7 +104,7 @@ def sync(engine, replica, step=2):
         for p in replica.model.parameters():
             p.sub_(0.5)  # this worker's pseudogradient: +0.5 everywhere
     replica.inner_steps = engine.progress.steps = step
-    started = engine.start(0, [replica], step, {"loss_sum_count": (0.0, 1)})
+    started = engine.start(0, [replica], step, SumCount(0.0, 1))
     return engine.finish(started, [replica])
 
 
@@ -130,6 +131,32 @@ def donor_state(engine):
     tensors += [torch.zeros_like(p) for p in engine.global_params]
     meta = {"step": 8, "outer_steps": 4, "fragment_syncs": 4, "sync_fragment": 0, "sync_apply_step": 8}
     return {"tensors": tensors, "meta": meta, "digest": state_digest(tensors)}
+
+
+def test_the_python_api_follows_a_quorum_that_moved_it():
+    """muloco.DiLoCo runs the engine's round, as `muloco train` does: a worker healed into its quorum's
+    sync at a later step applies that sync at once, at the quorum's step (before, the Python API kept it
+    in flight and applied it a step late)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Reducer(ElasticReducer):
+        def open(self, shapes, codecs):
+            self._shapes, self._codecs = shapes, codecs
+            self.group = FakeGroup([], self._receive_state)
+
+    reducer = Reducer(TorchftBackendConfig(replica_id=0), workers=2)
+    diloco = DiLoCo(model, opt, sync_every=2, outer_lr=1.0, outer_momentum=0.0, backend=reducer)
+    donor = donor_state(diloco.engine)  # the quorum syncs at its step 8
+    other = [torch.full((2, 3), 0.25), torch.full((2,), 0.25)]
+    reducer.group.attempts = [{"others": flat(other, 1, 0), "commit": True, "heal": donor}]
+    assert not diloco.step()  # step 1
+    assert diloco.step()  # step 2: healed into the quorum's sync at step 8, applied there
+    assert diloco.local_step == 8 and not diloco.engine.in_flight and diloco.records[0].fields["healed"]
+    for p in diloco.global_params:  # the donor's 2.0 minus the other member's mean alone
+        torch.testing.assert_close(p, torch.full_like(p, 1.75))
+    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), diloco.global_params, strict=True))
 
 
 def test_a_worker_behind_adopts_the_quorums_state_and_contributes_nothing():
@@ -181,7 +208,7 @@ def test_a_healed_worker_joins_the_quorums_sync_of_another_fragment_at_its_step(
         for p in replica.model.parameters():
             p.sub_(0.5)
     replica.inner_steps = engine.progress.steps = 2
-    started = engine.start(0, [replica], 2, {"loss_sum_count": (0.0, 1)})
+    started = engine.start(0, [replica], 2, SumCount(0.0, 1))
     assert (started.fragment, started.started_step, started.apply_step) == (1, 6, 7)
     engine.progress.steps = replica.inner_steps = 7  # tau inner steps later (none taken here)
     record = engine.finish(started, [replica])
@@ -192,7 +219,8 @@ def test_a_healed_worker_joins_the_quorums_sync_of_another_fragment_at_its_step(
     for p in fragment1:  # the donor's 2.0 minus the other member's mean alone
         torch.testing.assert_close(p, torch.full_like(p, 1.75))
     assert record.fragment == 1 and record.fields["healed"] and engine.progress.fragment_syncs == 4
-    assert engine.unsynced == [False, False]  # the replicas restarted from the adopted state
+    # the replicas restarted from the adopted state
+    assert [f.unsynced for f in engine.fragments] == [False, False]
     # The part it joins with keeps the run's aggregation rule (a robust rule must be applied alike).
     robust = Contribution(0, 2, 1, engine.global_params, 1.0, aggregate="median", trim=2)
     joined = engine.reducer._joining(robust, 1, 6, 7)
@@ -215,19 +243,19 @@ def test_a_sync_in_flight_exchanges_in_the_background_and_a_failed_one_is_droppe
     feedback = ErrorFeedback()
     feedback.buffers = {name: torch.ones(1) for name in ("0.weight", "1.weight")}  # fragment 0, fragment 1
     engine.error_feedback = [feedback]
-    started = engine.start(0, [replica], 4, {"loss_sum_count": (0.0, 1)})
+    started = engine.start(0, [replica], 4, SumCount(0.0, 1))
     assert (started.fragment, started.apply_step) == (0, 5)
     engine.progress.steps = replica.inner_steps = 5
     record = engine.finish(started, [replica])
     # Dropped: no outer step, not counted, the replica keeps its drift for the fragment's next sync.
     assert all(torch.equal(a, b) for a, b in zip(start, engine.global_params, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(local, replica.model.parameters(), strict=True))
-    assert engine.progress.fragment_syncs == 0 and engine.unsynced[0]
+    assert engine.progress.fragment_syncs == 0 and engine.fragments[0].unsynced
     assert record.fields["dropped"] and engine.reducer.membership.dropped_syncs == 1
     assert list(feedback.buffers) == ["1.weight"]  # the next sync resends fragment 0's whole drift
     # A second failure in a row is more than quorum_retries=1 allows: the run fails with one line.
     engine.progress.steps = replica.inner_steps = 6
-    again = engine.start(1, [replica], 6, {"loss_sum_count": (0.0, 1)})
+    again = engine.start(1, [replica], 6, SumCount(0.0, 1))
     with pytest.raises(TrainingError, match="2 syncs in a row failed"):
         engine.finish(again, [replica])
 
@@ -237,7 +265,7 @@ def test_a_worker_with_nothing_to_contribute_joins_the_sync_and_is_not_left_out(
     other = [torch.full((2, 3), 0.1), torch.full((2,), 0.1)]
     engine, replica = engine_and_replica([{"others": flat(other, 1, 0), "commit": True}])
     replica.inner_steps = engine.progress.steps = 2
-    started = engine.start(0, [], 2, {"loss_sum_count": (0.0, 0)})
+    started = engine.start(0, [], 2, SumCount(0.0, 0))
     assert torch.equal(engine.reducer.group.sent[0][-2:], torch.tensor([0.0, 1.0]))  # none, not left out
     record = engine.finish(started, [replica])
     assert record.fields["replicas_left_out"] == 0 and engine.progress.bad_syncs == 0

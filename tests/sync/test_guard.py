@@ -5,7 +5,7 @@ import math
 import pytest
 
 from muloco.errors import TrainingError
-from muloco.run.state import Progress
+from muloco.sync.counters import Progress
 from muloco.sync.guard import BadSyncGuard, usable
 
 

@@ -120,14 +120,12 @@ def test_the_engine_speaks_only_the_reducer_protocol():
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    engine.trained()
-    finishing, starting = engine.due(2)
-    assert finishing == [] and starting == [1]
-    sync = engine.start(1, [replica], 2)
-    assert sync.apply_step == 3 and engine.next_event(2) == 3
-    record = engine.finish(sync, [replica])
+    assert engine.round(2, [replica]) == []  # fragment 1 starts at step 2, applied tau = 1 step later
+    (sync,) = engine.in_flight
+    assert (sync.fragment, sync.apply_step) == (1, 3) and engine.next_event(2) == 3
+    (record,) = engine.round(3, [replica])
     # outer lr 1, no momentum: the fragment's global parameters move to the replica's.
-    for i in engine.fragments[1]:
+    for i in engine.fragments[1].indices:
         assert torch.equal(engine.global_params[i], theta[i] + 1.0)
     assert record.fields["replicas_left_out"] == 0 and engine.ledger.bytes_sent == 7.0
     engine.close()
@@ -155,7 +153,6 @@ def test_a_reducer_that_exchanges_before_returning_books_the_wait():
         max_bad_syncs=3,
     )
     engine.join([replica], resumed=False)
-    engine.trained()
-    engine.finish(engine.start(0, [replica], 2), [replica])
+    engine.round(2, [replica])
     assert engine.ledger.comm_wait_s >= 0.05
     engine.close()

@@ -288,9 +288,6 @@ def test_the_second_stage_has_twice_the_bits_within_4_and_8_by_default(tiny):
     assert defaults == [4, 4, 8, 8]
     assert CompressionConfig(scheme="statistical", bits=2, mean_bits=2).second_stage_bits == 2
     engine = engine_of(tiny, "compression.bits=2")
-    quantized = [
-        c
-        for c, skipped in zip(engine.codecs[0].mean_compressors, engine.codecs[0].codec.skipped)
-        if not skipped
-    ]
+    codec = engine.fragments[0].codec
+    quantized = [c for c, skipped in zip(codec.mean_compressors, codec.codec.skipped) if not skipped]
     assert quantized and all(c.bits == 4 for c in quantized)

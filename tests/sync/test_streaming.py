@@ -260,7 +260,7 @@ def test_evaluation_uses_the_global_parameters(tiny):
     trainer = Trainer(cfg)
     trainer.run()
     before = params_of(trainer.replicas[0].model)
-    trainer.metrics = type("Sink", (), {"log": lambda self, record: None})()
+    trainer.log.metrics = type("Sink", (), {"log": lambda self, record: None})()
     evaluated = trainer.evaluate()
     assert all(torch.equal(a, b) for a, b in zip(before, params_of(trainer.replicas[0].model), strict=True))
     with torch.no_grad():

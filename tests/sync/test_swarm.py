@@ -11,7 +11,7 @@ import torch
 from muloco.config import HivemindBackendConfig, OuterConfig, SyncConfig
 from muloco.errors import TrainingError
 from muloco.run.replica import Replica
-from muloco.sync import Mean, SyncEngine
+from muloco.sync import Mean, SumCount, SyncEngine
 from muloco.sync.digest import state_digest
 from muloco.sync.reduce import PendingMean
 from muloco.sync.swarm import SwarmReducer, _reference
@@ -184,7 +184,7 @@ def test_with_a_robust_rule_one_insiders_claims_do_not_make_a_peer_reload():
 def sync_with(engine, replica, mean):
     """One sync of the fake swarm peer whose reducer returns `mean`."""
     engine.reducer.start_mean = lambda contribution: PendingMean.completed(mean)
-    started = engine.start(0, [replica], 2, {"loss_sum_count": (0.0, 1)})
+    started = engine.start(0, [replica], 2, SumCount(0.0, 1))
     return engine.finish(started, [replica])
 
 
