@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from muloco.version import __version__
 
 # Bit-for-bit resumes and reruns on every x86-64 CPU: without it MKL's GEMM may give results that depend on
 # its operands' memory alignment (Intel's "Conditional Numerical Reproducibility"), so a resumed process,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import muloco
 from muloco.comm import ring_allreduce_bytes
 from muloco.comm.sharding import rank_state_bytes
 from muloco.config import Config
+from muloco.version import __version__
 
 
 def config_figures(cfg: Config) -> dict[str, Any]:
@@ -75,6 +75,6 @@ def build_summary(
         "params": num_params,
         "device": device,
         "config_fingerprint": cfg.fingerprint(),
-        "muloco_version": muloco.__version__,
+        "muloco_version": __version__,
         "status": status,
     }

@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from muloco import __version__
 from muloco.data.tokenizer import BpeTokenizer, ByteTokenizer, byte_tokenizer_for_hf
 from muloco.errors import UserError
 from muloco.models.gpt2 import export_problem, gpt2_config_values, gpt2_state_dict
 from muloco.models.hf import import_transformers
 from muloco.run.run_dir import TOKENIZER_FILE
 from muloco.tools.trained import TrainedRun, load_trained_run
+from muloco.version import __version__
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROVENANCE = "muloco_export.json"  # which run, step and checkpoint OUT holds
