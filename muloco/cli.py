@@ -376,7 +376,7 @@ def _config_params(cfg) -> float:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from muloco.compress.bits import QUANT_BITS, one_of
+    from muloco.config.bits import QUANT_BITS, one_of
     from muloco.net.wan import Link, estimate_step_seconds, format_plan, plan, plan_as_dict
 
     params, args = _plan_settings(args)

@@ -12,10 +12,10 @@ Map of the package (arrows point down only):
       -> packing.py    pure functions: dense bit packing of 1/2/4/8-bit codes and n-bit integers
       -> wire.py       header layout, body sections, CRC32; `parse` validates everything before decoding
       -> errors.py     CompressionError (a ValueError)
-      -> bits.py       QUANT_BITS, TOPK_VALUE_BITS: the allowed widths (also checked by muloco.config)
+The allowed widths (QUANT_BITS, TOPK_VALUE_BITS) are the config's: muloco/config/bits.py.
 
 A new scheme: a Compressor subclass with `@register_scheme` (its name needs a wire code in wire.SCHEMES),
-imported by factory.py. Names are loaded lazily, so `muloco.config` can import bits.py without torch.
+imported by factory.py. Names are loaded lazily: `import muloco.compress` alone does not import torch.
 
 Usage (docs/compression.md has the details and the wire format table):
 
@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from muloco.compress.base import Compressor, register_scheme
-    from muloco.compress.bits import QUANT_BITS, TOPK_VALUE_BITS
     from muloco.compress.error_feedback import ErrorFeedback
     from muloco.compress.errors import CompressionError
     from muloco.compress.factory import (
@@ -59,9 +58,7 @@ _EXPORTS = {
     "Header": "wire",
     "LinearQuantizer": "linear",
     "NoCompression": "plain",
-    "QUANT_BITS": "bits",
     "StatisticalQuantizer": "statistical",
-    "TOPK_VALUE_BITS": "bits",
     "TopK": "topk",
     "decode": "factory",
     "get_compressor": "factory",
@@ -73,7 +70,7 @@ _EXPORTS = {
 
 
 def __getattr__(name: str):
-    # Lazy: importing muloco.compress.bits (muloco.config does) must not import torch.
+    # Lazy: torch is imported with the first scheme a caller asks for, not with the package.
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'muloco.compress' has no attribute {name!r}")
@@ -89,9 +86,7 @@ __all__ = [
     "Header",
     "LinearQuantizer",
     "NoCompression",
-    "QUANT_BITS",
     "StatisticalQuantizer",
-    "TOPK_VALUE_BITS",
     "TopK",
     "decode",
     "get_compressor",

@@ -16,11 +16,11 @@ from muloco.compress.base import (
     scheme_class,
     split_body,
 )
-from muloco.compress.bits import QUANT_BITS, TOPK_VALUE_BITS
 from muloco.compress.quantize import GRANULARITIES, LINEAR_MODES
 from muloco.compress.statistical import check_stat_range
 from muloco.compress.topk import check_fraction
 from muloco.compress.wire import parse
+from muloco.config.bits import QUANT_BITS, TOPK_VALUE_BITS
 
 
 def get_compressor(

@@ -21,10 +21,10 @@ from muloco.compress.base import (
     to_numpy,
     with_body_size,
 )
-from muloco.compress.bits import QUANT_BITS
 from muloco.compress.packing import pack_codes
 from muloco.compress.quantize import GRANULARITIES, Quantized, dequantize, num_groups, quantize
 from muloco.compress.wire import Header, assemble
+from muloco.config.bits import QUANT_BITS
 
 
 class GroupQuantizer(Compressor):

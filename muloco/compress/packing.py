@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from muloco.compress.bits import QUANT_BITS
+from muloco.config.bits import QUANT_BITS
 
 MAX_UINT_WIDTH = 40  # top-k index gaps: tensors of up to 2**40 elements
 

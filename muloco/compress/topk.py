@@ -31,11 +31,11 @@ from muloco.compress.base import (
     to_numpy,
     with_body_size,
 )
-from muloco.compress.bits import TOPK_VALUE_BITS
 from muloco.compress.errors import CompressionError
 from muloco.compress.packing import pack_uint, uint_width, unpack_uint
 from muloco.compress.quantize import BF16_MAX, dequantize, linear_lut, quantize
 from muloco.compress.wire import TOPK_MAX_EXPANSION, Header, assemble
+from muloco.config.bits import TOPK_VALUE_BITS
 
 MIN_TOPK_FRACTION = 1.0 / TOPK_MAX_EXPANSION
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from muloco.compress.bits import QUANT_BITS, TOPK_VALUE_BITS, one_of
 from muloco.compress.errors import CompressionError
 from muloco.compress.packing import MAX_UINT_WIDTH, packed_nbytes
 from muloco.compress.quantize import GRANULARITIES, LINEAR_MODES, num_groups
+from muloco.config.bits import QUANT_BITS, TOPK_VALUE_BITS, one_of
 
 MAGIC = b"MLCQ"
 VERSION = 1

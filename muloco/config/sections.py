@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from muloco.compress.bits import QUANT_BITS, TOPK_VALUE_BITS, one_of
+from muloco.config.bits import QUANT_BITS, TOPK_VALUE_BITS, one_of
 
 
 class Section(BaseModel):

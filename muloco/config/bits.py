@@ -1,5 +1,6 @@
-"""The allowed bit widths, defined once: the compressors and muloco.config's CompressionConfig check against
-these. Imports nothing (no torch), so that loading a config stays fast."""
+"""The allowed bit widths, defined once with the schema: CompressionConfig checks against them and the
+compressors (muloco/compress/) import them from here. Imports nothing (no torch), so that loading a config
+stays fast."""
 
 from __future__ import annotations
 

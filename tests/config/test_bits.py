@@ -1,13 +1,13 @@
-"""The allowed bit widths: one definition, used by the compressors and by muloco.config."""
+"""The allowed bit widths (muloco/config/bits.py): one definition, used by the config and the compressors."""
 
 import subprocess
 import sys
 
 import pytest
 
-from muloco.compress import QUANT_BITS, TOPK_VALUE_BITS, get_compressor
-from muloco.compress.bits import one_of
+from muloco.compress import get_compressor
 from muloco.config import CompressionConfig
+from muloco.config.bits import QUANT_BITS, TOPK_VALUE_BITS, one_of
 
 
 def test_one_of():
