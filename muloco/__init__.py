@@ -5,6 +5,7 @@ Map of the package (arrows point down only; docs/design.md draws it):
     diloco.py (DiLoCo, the Python API) -> sync/
     tools/ (report, plots, sample) and sweep/ read finished runs; net/ models links and starts processes
     checkpoint/, config/ (the schema), models/, data/, optim/, errors.py underneath
+    testbed/ (emulated WAN hosts for benchmarks and tests) sits outside: it imports muloco, never the reverse
 """
 
 from __future__ import annotations
@@ -21,17 +22,22 @@ from muloco.version import __version__
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 if TYPE_CHECKING:
-    from muloco.config import Config, load_config
+    from muloco.config import Config
     from muloco.diloco import DiLoCo
     from muloco.optim import Muon
+    from muloco.optim.check import load_run_config as load_config
 
 
 def __getattr__(name: str):
     # Lazy exports keep `import muloco` (and the CLI's start) fast.
-    if name in ("load_config", "Config"):
-        from muloco import config
+    if name == "Config":
+        from muloco.config import Config
 
-        return getattr(config, name)
+        return Config
+    if name == "load_config":  # the schema's load_config and the inner optimizer's check (optim/check.py)
+        from muloco.optim.check import load_run_config
+
+        return load_run_config
     if name == "DiLoCo":
         from muloco.diloco import DiLoCo
 

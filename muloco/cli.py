@@ -144,18 +144,18 @@ def _setup_logging() -> None:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from muloco.config import load_config
+    from muloco.optim.check import load_run_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
     print(cfg.to_yaml(), end="")
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from muloco.config import load_config
+    from muloco.optim.check import load_run_config
     from muloco.run.trainer import EXIT_INTERRUPTED, Trainer
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
     trainer = Trainer(cfg)
     summary = trainer.run()
     logging.getLogger("muloco").info(
@@ -175,10 +175,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from muloco.config import load_config
+    from muloco.optim.check import load_run_config
     from muloco.net.launch import launch
 
-    cfg = load_config(args.config, args.overrides)  # fail here, once, rather than in every rank
+    cfg = load_run_config(args.config, args.overrides)  # fail here, once, rather than in every rank
     return launch(
         args.nproc,
         args.config,
@@ -330,14 +330,14 @@ def _plan_settings(args: argparse.Namespace) -> tuple[float, argparse.Namespace]
     H, bits when it compresses, streaming P and tau, a worker's tokens per step), else the default."""
     from pathlib import Path
 
-    from muloco.config import load_config
+    from muloco.optim.check import load_run_config
 
     from_config: dict = {}
     params = _plan_params(args.params) if args.params is not None else None
     if args.config is not None and "=" in args.config and not Path(args.config).exists():
         raise UserError(f"KEY=VALUE overrides ({args.config}) need a CONFIG before them")
     if args.config is not None:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_run_config(args.config, args.overrides)
         params = params or _config_params(cfg)
         from_config = {
             "workers": cfg.workers,

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from muloco.checkpoint.plain import list_checkpoints
-from muloco.config import load_config
 from muloco.errors import UserError
 from muloco.optim.catalogue import torch_optim_names
+from muloco.optim.check import load_run_config as load_config
 from muloco.run.trainer import Trainer
 
 TINY = [

@@ -1,12 +1,17 @@
 """The config schema: the single source of truth for every option (DESIGN.md, "Config keys").
 
-- `sections.py`: the training sections (run, model with `MODEL_PRESETS`, data, train, inner, outer, sync,
-  compression) and `Section`, their base (unknown keys are errors).
+- `sections.py`: the training sections (run, model with `MODEL_PRESETS`, data, train, sync, compression)
+  and `Section`, their base (unknown keys are errors); `optimizers.py`: inner (with its AdamW), outer, dp.
+- `bits.py`: the allowed bit widths, which the compressors import from here.
 - `runtime.py`: backends (local, torch, hivemind: the swarm's only schema, torchft), simulation,
   diagnostics, logging, checkpoint.
 - `schema.py`: `Config`, the whole file: checks across sections, derived quantities, the fingerprint.
 - `loading.py`: YAML file -> `extends:` chain merged -> dotted `KEY=VALUE` overrides -> validation; every
-  failure is a one-line `ConfigError` naming the field (dotted path) and the fix (`load_config`).
+  failure is a one-line `ConfigError` naming the field (dotted path) and the fix (`load_config`);
+  `field_error` words the errors of checks outside the schema (the inner optimizer's, muloco/optim/check.py)
+  the same way.
+
+The schema imports nothing of the packages it configures: it is the bottom of the layers (docs/design.md).
 
 docs/configuration.md is generated from these classes by scripts/gen_config_docs.py.
 """
@@ -15,12 +20,14 @@ from muloco.config.loading import (
     _did_you_mean,
     apply_overrides,
     deep_merge,
+    field_error,
     load_config,
     load_raw,
     parse_override,
     read_yaml,
     validate,
 )
+from muloco.config.optimizers import AdamWConfig, DpConfig, InnerConfig, OuterConfig
 from muloco.config.runtime import (
     BackendConfig,
     CheckpointConfig,
@@ -36,13 +43,9 @@ from muloco.config.runtime import (
 from muloco.config.schema import Config
 from muloco.config.sections import (
     MODEL_PRESETS,
-    AdamWConfig,
     CompressionConfig,
     DataConfig,
-    DpConfig,
-    InnerConfig,
     ModelConfig,
-    OuterConfig,
     RunConfig,
     Section,
     SyncConfig,
@@ -78,6 +81,7 @@ __all__ = [
     "_did_you_mean",
     "apply_overrides",
     "deep_merge",
+    "field_error",
     "load_config",
     "load_raw",
     "parse_override",

@@ -162,8 +162,7 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
         return f"{source}: unknown key '{field}' in {where}; {_did_you_mean(loc[-1], options)}"
     msg = err["msg"]
     if msg.startswith("Value error, "):
-        msg = msg[len("Value error, ") :]
-        return f"{source}: {msg}" if not field or msg.startswith(field) else f"{source}: {field}: {msg}"
+        return _field_line(field, msg[len("Value error, ") :], source)
     got = err.get("input")
     got_text = "" if isinstance(got, dict) else f" (got {got!r})"
     fix = "fix the value"
@@ -176,6 +175,28 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
     return f"{source}: {field}: {msg}{got_text}; {fix}"
 
 
+def _field_line(field: str, message: str, source: str) -> str:
+    """`source: field: message`, the field left out when the message already starts with it."""
+    if not field or message.startswith(field):
+        return f"{source}: {message}"
+    return f"{source}: {field}: {message}"
+
+
+def _blamed(field: str, source: str, overrides: list[str] | tuple[str, ...]) -> str:
+    """The override that set `field` (if one did), else `source`: where a message says the error is."""
+    culprit = _override_setting(field, overrides) if field else None
+    return f"override {culprit!r}" if culprit else source
+
+
+def field_error(
+    field: str, message: str, source: str = "config", overrides: list[str] | tuple[str, ...] = ()
+) -> ConfigError:
+    """A one-line ConfigError about a field that a check outside the schema found wrong (the inner
+    optimizer's, muloco/optim/check.py), worded as the schema's own errors: it blames the override that
+    set the field, if one did, else `source`."""
+    return ConfigError(_field_line(field, message, _blamed(field, source, overrides)))
+
+
 def validate(
     data: dict[str, Any], source: str = "config", overrides: list[str] | tuple[str, ...] = ()
 ) -> Config:
@@ -185,10 +206,7 @@ def validate(
         return Config.model_validate(data)
     except ValidationError as exc:
         field = ".".join(str(p) for p in exc.errors()[0]["loc"] if not isinstance(p, int))
-        culprit = _override_setting(field, overrides) if field else None
-        raise ConfigError(
-            _format_validation_error(exc, f"override {culprit!r}" if culprit else source)
-        ) from None
+        raise ConfigError(_format_validation_error(exc, _blamed(field, source, overrides))) from None
 
 
 def _override_setting(field: str, overrides: list[str] | tuple[str, ...]) -> str | None:

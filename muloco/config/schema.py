@@ -9,6 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
+from muloco.config.optimizers import DpConfig, InnerConfig, OuterConfig
 from muloco.config.runtime import (
     BackendConfig,
     CheckpointConfig,
@@ -19,10 +20,7 @@ from muloco.config.runtime import (
 from muloco.config.sections import (
     CompressionConfig,
     DataConfig,
-    DpConfig,
-    InnerConfig,
     ModelConfig,
-    OuterConfig,
     RunConfig,
     Section,
     SyncConfig,

@@ -8,7 +8,11 @@ A name is, in this order:
     a pytorch-optimizer name          lion, soap, ademamix, adopt, ... (the `optimizers` extra)
 
 The trainer calls `step()` with no closure after an ordinary `backward()`, steps between syncs, and treats
-the parameters as the model: optimizers that need more than that are refused with one line.
+the parameters as the model: optimizers that need more than that are refused with one line (check.py runs
+these checks when a config is loaded for a run).
+
+torch is imported by the functions that need it, not with this module: the built-in names alone (what the
+config check of `muloco launch` and `muloco config` needs) import no torch.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import importlib
 import inspect
 import io
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from muloco.config.sections import BUILT_IN_OPTIMIZERS
+# The inner optimizers built from the inner.* fields (factory.py); any other name is resolved here.
+BUILT_IN_OPTIMIZERS = ("muon", "adamw", "sgd", "torch_muon")
 
 # Constructor arguments the framework fills: the parameters (from the routing) and the lr (inner.lr, so that
 # a sweep tunes every optimizer through the same key and the lr schedule scales it).
@@ -32,6 +38,8 @@ _FILLED = ("params", "lr")
 
 def torch_optim_names() -> list[str]:
     """torch.optim's optimizer classes by name (LBFGS included: it is refused with its reason)."""
+    import torch
+
     names = []
     for name in dir(torch.optim):
         value = getattr(torch.optim, name)
@@ -86,6 +94,8 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     """The class `inner.optimizer=name` names (not a built-in one); ValueError with the fix otherwise.
     Cached: the config's field and model checks and every replica's factory ask for it (a failure is not
     cached, so a module installed later is found)."""
+    import torch
+
     if ":" in name:
         cls = _import_class(name)
     elif name in torch_optim_names():
@@ -155,6 +165,8 @@ def trial_step(
     """Build `cls` and take one step on stand-ins for what the route gives it (a hidden matrix; with
     route all also a vector, as norms and biases are), so that a class that refuses those shapes or
     arguments is one config line before a run directory exists, not a failure after."""
+    import torch
+
     stand_ins = [torch.zeros(4, 3, requires_grad=True)]
     if route == "all":
         stand_ins.append(torch.zeros(3, requires_grad=True))
@@ -181,6 +193,8 @@ def _check_checkpointable(name: str, opt: torch.optim.Optimizer) -> None:
     """Checkpoints load with torch.load(weights_only=True) (checkpoint/plain.py): tensors, numbers,
     strings and containers. A class that keeps other objects in its state (a deque, a custom class)
     could train but never resume: refused now rather than at the first resume."""
+    import torch
+
     buffer = io.BytesIO()
     torch.save(opt.state_dict(), buffer)
     buffer.seek(0)

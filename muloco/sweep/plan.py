@@ -11,6 +11,7 @@ from typing import Any
 
 from muloco.config import Config, apply_overrides, deep_merge, load_config, load_raw, validate
 from muloco.errors import ConfigError
+from muloco.optim.check import check_inner_optimizer
 from muloco.sweep.expand import dp_baseline_assignment, expand_grid, run_names
 from muloco.sweep.spec import SweepSpec, _canonical, _flatten
 
@@ -99,7 +100,8 @@ class _Resolver:
 
     def config(self, values: dict[str, Any], what: str) -> Config:
         try:
-            return validate(deep_merge(self.base, _nest(values)), source=str(self.spec.base))
+            cfg = validate(deep_merge(self.base, _nest(values)), source=str(self.spec.base))
+            return check_inner_optimizer(cfg, source=str(self.spec.base))
         except ConfigError as exc:
             raise ConfigError(f"sweep {self.spec.path}: run {what}: {exc}") from None
 
