@@ -175,8 +175,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from muloco.optim.check import load_run_config
     from muloco.net.launch import launch
+    from muloco.optim.check import load_run_config
 
     cfg = load_run_config(args.config, args.overrides)  # fail here, once, rather than in every rank
     return launch(

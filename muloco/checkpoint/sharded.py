@@ -28,14 +28,13 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from muloco.checkpoint.plain import fsync_directory
-from muloco.comm import Backend
-from muloco.comm.sharding import is_dtensor
 from muloco.errors import CheckpointError
+from muloco.sharding import is_dtensor
 
 log = logging.getLogger("muloco")
 
@@ -43,6 +42,19 @@ FORMAT_VERSION = 1
 INFO = "muloco.json"  # format, step, the config's layout-free fingerprint, workers
 DIGESTS = "digests.json"  # {file name: SHA-256} of every other file of the checkpoint
 _NAME = re.compile(r"^step_(\d{8})$")
+
+
+class Ranks(Protocol):
+    """What a sharded checkpoint asks of the processes that write or read it: a backend of muloco.comm is
+    one (checkpoint/ sits below comm/, docs/design.md, so it names the methods, not the class)."""
+
+    rank: int  # this process's index; rank 0 renames, prunes and reads the shared directory
+
+    def barrier(self) -> None: ...
+
+    def all_gather_bytes(self, payload: bytes, capacity: int | None = None) -> Any:
+        """A handle whose wait() returns every process's payload, in rank order."""
+        ...
 
 
 def list_sharded(directory: Path) -> list[Path]:
@@ -115,7 +127,7 @@ def save_sharded(
     directory: Path,
     step: int,
     keep: int,
-    backend: Backend,
+    backend: Ranks,
     prefix: str,
     lead: bool,
     info: dict[str, Any],
@@ -159,7 +171,7 @@ def save_sharded(
     return final
 
 
-def with_ranks_rng(state: dict[str, Any], worker: Backend) -> dict[str, Any]:
+def with_ranks_rng(state: dict[str, Any], worker: Ranks) -> dict[str, Any]:
     """The state a worker of R ranks saves with save_sharded: the lead writes the state that is the same on
     its ranks, so the ranks' RNG states go along as a list (`state["rng"]` becomes {"by_rank": [...]}). A
     collective of the worker's ranks."""
@@ -227,7 +239,7 @@ def read_info(path: Path) -> dict[str, Any]:
     return info
 
 
-def find_sharded(resume: str, directory: Path, backend: Backend) -> Path | None:
+def find_sharded(resume: str, directory: Path, backend: Ranks) -> Path | None:
     """The checkpoint `checkpoint.resume` names: the newest complete one (auto), a given directory, or
     none (never). Every rank reads the same directory; rank 0's answer is everyone's."""
     if resume == "never":

@@ -6,7 +6,7 @@ local link (the worker group); only each worker's first rank (its lead) takes pa
 sync across workers (the sync group) and then broadcasts the mean to its worker's other ranks. With R = 1
 the sync group is the world and there is no worker group: the layout of DESIGN.md.
 
-Sharded workers (`sharding: fsdp`, muloco/comm/sharding.py) hold 1/R of the model per rank, so every rank
+Sharded workers (`sharding: fsdp`, muloco/sharding.py) hold 1/R of the model per rank, so every rank
 syncs: rank j of each worker averages its shard with rank j of the other workers (R sync groups, each
 sending 1/R of the bytes), and the worker group (also with R = 1) is the mesh FSDP2 shards over.
 """

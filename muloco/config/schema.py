@@ -204,7 +204,7 @@ class Config(Section):
             )
 
     def _check_fsdp(self) -> None:
-        """What a sharded worker can run (muloco/comm/sharding.py)."""
+        """What a sharded worker can run (muloco/sharding.py)."""
         unsupported = [
             (self.method == "dp", "method: dp (set method: diloco)"),
             (self.backend.kind != "torch", f"backend.kind={self.backend.kind} (use backend.kind=torch)"),

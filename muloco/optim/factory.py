@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from muloco.comm.sharding import local
 from muloco.config import InnerConfig
 from muloco.errors import ConfigError
 from muloco.models.roles import param_roles, transposed_weights
@@ -36,6 +35,7 @@ from muloco.optim.distributed_muon import DistributedMuon
 from muloco.optim.muon import Muon
 from muloco.optim.newton_schulz import KELLER, resolve_coefficients
 from muloco.optim.routing import Named, format_routing, muon_param_groups
+from muloco.sharding import local
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -14,10 +14,10 @@ from torch.profiler import record_function
 from muloco.checkpoint.plain import save_checkpoint
 from muloco.checkpoint.sharded import save_sharded, with_ranks_rng
 from muloco.comm import Backend
-from muloco.comm.sharding import layout_free_fingerprint
 from muloco.comm.topology import Topology
 from muloco.config import Config
 from muloco.run.resume import load_components, resume_run
+from muloco.sharding import layout_free_fingerprint
 
 log = logging.getLogger("muloco")
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import record_function
 
-from muloco.comm.sharding import local_params, reshard
+from muloco.sharding import local_params, reshard
 
 
 @torch.no_grad()

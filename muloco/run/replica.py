@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from muloco.comm.sharding import local_params
+from muloco.sharding import local_params
 from muloco.sync.outer import pseudogradient
 
 

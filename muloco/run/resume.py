@@ -17,10 +17,10 @@ from typing import Any
 from muloco.checkpoint.plain import checkpoint_step, find_resume_state, list_checkpoints, load_checkpoint
 from muloco.checkpoint.sharded import find_sharded, list_sharded, load_sharded, read_info
 from muloco.comm import Backend
-from muloco.comm.sharding import layout_free_fingerprint
 from muloco.comm.topology import Topology
 from muloco.config import Config
 from muloco.errors import CheckpointError, UserError, one_line
+from muloco.sharding import layout_free_fingerprint
 
 log = logging.getLogger("muloco")
 

@@ -7,8 +7,8 @@ import sys
 from typing import Any
 
 from muloco.comm import ring_allreduce_bytes
-from muloco.comm.sharding import rank_state_bytes
 from muloco.config import Config
+from muloco.sharding import local
 from muloco.version import __version__
 
 
@@ -40,6 +40,24 @@ def peak_rss_bytes() -> int | None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _bytes(tensors) -> int:
+    return sum(local(t).numel() * t.element_size() for t in tensors)
+
+
+def rank_state_bytes(replicas: list, engine) -> dict[str, int]:
+    """What this rank holds of the training state, in bytes (summary.json's state_bytes_rank0;
+    docs/topology.md): its parameters, as many gradient bytes (each parameter's gradient is materialized
+    in the step), the inner optimizer's state, and the engine's outer state (the fp32 global copy, the
+    outer momentum, error-feedback buffers)."""
+    params = sum(_bytes(r.model.parameters()) for r in replicas)
+    optimizer = sum(r.optimizer.state_bytes() for r in replicas)
+    outer = 0
+    if engine is not None:
+        outer = _bytes(engine.outer.params) + _bytes(engine.outer.momentum_buffers)
+        outer += sum(_bytes(ef.buffers.values()) for ef in engine.error_feedback if ef is not None)
+    return {"parameters": params, "gradients": params, "optimizer": optimizer, "outer": outer}
 
 
 def build_summary(

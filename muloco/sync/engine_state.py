@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from muloco.comm.sharding import as_shard_of, local
+from muloco.sharding import as_shard_of, local
 from muloco.sync.inflight import InFlightSync
 
 

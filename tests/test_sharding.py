@@ -1,10 +1,10 @@
-"""Pieces of sharded workers (muloco/comm/sharding.py) that need no processes; the runs:
+"""Pieces of sharded workers (muloco/sharding.py) that need no processes; the runs:
 comm/test_sharded.py."""
 
 from torch import nn
 
-from muloco.comm.sharding import blocks, layout_free_fingerprint
 from muloco.config import load_config
+from muloco.sharding import blocks, layout_free_fingerprint
 
 
 def test_fsdp_wraps_the_outermost_blocks_only():
