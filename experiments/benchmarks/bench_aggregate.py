@@ -1,7 +1,7 @@
 """What each sync.aggregate rule costs in time: combining K contributions shaped like the `small` GPT's
 pseudogradient (10.9M parameters, fp32, CPU), each rule beside the mean in one run, interleaved repeats;
 and what a swarm peer's consistency check costs per sync: the digest of its state (global parameters and
-outer momentum) that it announces (muloco.sync.digest.state_digest).
+outer momentum) that it announces (muloco.comm.digest.state_digest).
 
     python experiments/benchmarks/bench_aggregate.py --ks 4 8 --reps 5
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from muloco.comm.aggregate import AGGREGATES, aggregate
+from muloco.comm.digest import state_digest
 from muloco.config import load_config
 from muloco.models import build_model
-from muloco.sync.aggregate import AGGREGATES, aggregate
-from muloco.sync.digest import state_digest
 
 OUT = Path(__file__).parent / "results" / "bench_aggregate.json"
 

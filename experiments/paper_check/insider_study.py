@@ -1,5 +1,5 @@
 """One insider against the mean and the trimmed mean, in the simulation (docs/results.md, "Robust
-aggregation"): the test setting of tests/sync/test_aggregate.py (the tiny GPT, AdamW 3e-3, H = 3, 8 syncs
+aggregation"): the test setting of tests/comm/test_aggregate.py (the tiny GPT, AdamW 3e-3, H = 3, 8 syncs
 at K = 4, 5; 8 at K = 8), the last replica sending -4 x its pseudogradient every sync (under hivemind's
 default norm bound). Each cell: final val loss relative to the all-honest run of the same seed.
 

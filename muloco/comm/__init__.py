@@ -5,6 +5,10 @@ optimizers.
 - `local.py`: one process hosting every replica (simulation); reductions across processes are identities.
 - `torch_dist.py`: torch.distributed (gloo on CPU, nccl on CUDA), set up from the torchrun environment.
 - `torchft_group.py`: a worker's membership in an elastic torchft run (quorums, collectives over them).
+- `hivemind/`: a peer's membership of a swarm (matchmaking, exchange, state sharing, auth).
+- `aggregate.py`: `sync.aggregate`, the rule every backend's sync combines the contributions with (mean and
+  the robust ones); `digest.py`: `state_digest`, which a transferred state is checked against. Both are
+  maths below the engine: the swarm combines and checks with them, and so does the engine's codec.
 """
 
 import logging

@@ -189,7 +189,7 @@ class Config(Section):
 
     def _check_trim(self) -> None:
         """trimmed_mean drops sync.trim contributions at each end and must keep one: 2 x trim + 1 of them
-        (sync/aggregate.py's robust_minimum). With fewer it trims less, down to the plain mean, and a run
+        (comm/aggregate.py's robust_minimum). With fewer it trims less, down to the plain mean, and a run
         configured to tolerate bad members would silently not."""
         trim, need = self.sync.trim, 2 * self.sync.trim + 1
         group, source = self.workers, f"workers={self.workers}"

@@ -16,6 +16,7 @@ import struct
 
 import torch
 
+from muloco.comm.aggregate import aggregate
 from muloco.compress import (
     CompressionError,
     Compressor,
@@ -24,7 +25,6 @@ from muloco.compress import (
     get_compressor_from_config,
 )
 from muloco.models.roles import ParamRole
-from muloco.sync.aggregate import aggregate
 
 log = logging.getLogger("muloco")
 _COUNT = struct.Struct("<I")

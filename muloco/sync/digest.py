@@ -1,19 +1,7 @@
-"""The digest of a model state: two workers hold the same state exactly when their digests agree. Used by
-swarm peers to compare states, and to check a state that came over the network (hivemind and torchft
-state transfers) before it is adopted."""
+"""Temporary: state_digest moved to muloco/comm/digest.py (below the engine: the swarm's and torchft's state
+transfers check it). Kept only for the imports in sync/elastic.py and sync/swarm.py until they import
+muloco.comm.digest; then delete."""
 
-from __future__ import annotations
+from muloco.comm.digest import state_digest
 
-import hashlib
-
-import torch
-
-
-def state_digest(tensors: list[torch.Tensor]) -> bytes:
-    """A 16-byte hash of the tensors' values, dtypes and shapes, in order."""
-    digest = hashlib.blake2b(digest_size=16)
-    for t in tensors:
-        t = t.detach().cpu().contiguous()
-        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
-    return digest.digest()
+__all__ = ["state_digest"]

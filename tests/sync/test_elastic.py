@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from muloco.comm.digest import state_digest
 from muloco.comm.torchft_group import QuorumFailed
 from muloco.compress import ErrorFeedback
 from muloco.config import OuterConfig, SyncConfig, TorchftBackendConfig, load_config
@@ -15,7 +16,6 @@ from muloco.errors import ConfigError, TrainingError
 from muloco.run.replica import Replica
 from muloco.sync import SumCount, SyncEngine
 from muloco.sync.codec import pack
-from muloco.sync.digest import state_digest
 from muloco.sync.elastic import ElasticReducer
 from muloco.sync.reduce import Contribution
 

@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
+from muloco.comm.digest import state_digest
 from muloco.config import HivemindBackendConfig, OuterConfig, SyncConfig
 from muloco.errors import TrainingError
 from muloco.run.replica import Replica
 from muloco.sync import Mean, SumCount, SyncEngine
-from muloco.sync.digest import state_digest
 from muloco.sync.reduce import PendingMean
 from muloco.sync.swarm import SwarmReducer, _reference
 

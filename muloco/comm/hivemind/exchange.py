@@ -56,6 +56,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
+from muloco.comm.aggregate import aggregate, robust_minimum
 from muloco.comm.hivemind.auth import SwarmAuth
 from muloco.comm.hivemind.combine import (
     _metadata_problem,
@@ -78,7 +79,6 @@ from muloco.comm.hivemind.transfer import (
 )
 from muloco.compress import CompressionError
 from muloco.config import HivemindBackendConfig
-from muloco.sync.aggregate import aggregate, robust_minimum
 
 log = logging.getLogger("muloco")
 

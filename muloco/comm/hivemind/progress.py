@@ -39,7 +39,7 @@ def progress_key(run_id: str) -> str:
 @dataclass(frozen=True)
 class ProgressRecord:
     progress: int  # the peer's fragment syncs
-    digest: bytes  # its global state's digest (sync/digest.py, state_digest); b"" before its first
+    digest: bytes  # its global state's digest (comm/digest.py, state_digest); b"" before its first
     published: float = 0.0  # when (DHT time: expiration - ttl; peers' clocks may differ by their skew)
 
 

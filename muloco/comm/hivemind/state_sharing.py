@@ -23,10 +23,10 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from muloco.comm.digest import state_digest
 from muloco.comm.hivemind.auth import SwarmAuth
 from muloco.comm.hivemind.settings import HANDLE_SLACK_S, is_int
 from muloco.comm.hivemind.transfer import CHUNK_BYTES, MESSAGE_OVERHEAD
-from muloco.sync.digest import state_digest
 
 log = logging.getLogger("muloco")
 

@@ -135,7 +135,7 @@ class HivemindSwarm:
         Encodes now (the caller may reuse the tensors), the rest runs in the background. Every peer calls
         this once per fragment per outer step; a peer at another step is not averaged with. A tensor with
         non-finite values is not sent: this peer then only receives the others' mean. rule: (sync.aggregate,
-        sync.trim), how the group's contributions are combined (muloco.sync.aggregate); every member must
+        sync.trim), how the group's contributions are combined (muloco.comm.aggregate); every member must
         use the same. digest: this peer's state digest (`share_state`'s), announced to the group.
         """
         return self._fragment(fragment).start(tensors, step, rule, digest)

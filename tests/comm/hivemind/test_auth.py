@@ -19,6 +19,7 @@ from hivemind.utils.serializer import MSGPackSerializer  # noqa: E402
 from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
 from test_helpers import run_muloco, run_muloco_here  # noqa: E402
 
+from muloco.comm.digest import state_digest  # noqa: E402
 from muloco.comm.hivemind.auth import SwarmAuth, read_key, write_key  # noqa: E402
 from muloco.comm.hivemind.exchange import FragmentSync, _Contribution  # noqa: E402
 from muloco.comm.hivemind.progress import SwarmRecordValidator, record_problem  # noqa: E402
@@ -26,7 +27,6 @@ from muloco.comm.hivemind.state_sharing import StateServer, _checked_state  # no
 from muloco.comm.hivemind.transfer import PayloadServer  # noqa: E402
 from muloco.config import HivemindBackendConfig  # noqa: E402
 from muloco.errors import ConfigError  # noqa: E402
-from muloco.sync.digest import state_digest  # noqa: E402
 
 KEY, OTHER_KEY = bytes(range(32)), bytes(32)
 ALICE, BOB, MALLORY = (PeerID(bytes([0x12, 0x20, i]) + bytes(32)) for i in (1, 2, 3))

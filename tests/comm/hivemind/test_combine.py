@@ -24,7 +24,7 @@ class Undecodable:
         raise CompressionError("1 payloads, expected 2")
 
 
-from muloco.sync.aggregate import aggregate  # noqa: E402
+from muloco.comm.aggregate import aggregate  # noqa: E402
 
 
 def test_contribution_checks():

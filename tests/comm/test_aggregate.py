@@ -1,15 +1,15 @@
-"""sync.aggregate (muloco/sync/aggregate.py): each rule against hand-computed values, what a bad member
+"""sync.aggregate (muloco/comm/aggregate.py): each rule against hand-computed values, what a bad member
 can do to it, and the engine applying it to every replica's own pseudogradient (simulation)."""
 
 import pytest
 import torch
 from test_helpers import hand_inner_steps
 
+from muloco.comm.aggregate import _sorted, aggregate, trimmed_per_side
 from muloco.config import load_config
 from muloco.errors import ConfigError
 from muloco.run.replica import Replica
 from muloco.run.trainer import Trainer
-from muloco.sync.aggregate import _sorted, aggregate, trimmed_per_side
 
 
 def column(*values: float) -> list[list[torch.Tensor]]:
