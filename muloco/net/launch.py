@@ -34,6 +34,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+# Temporary re-exports for the callers that still import them from here (sync/swarm.py, the testbed):
+# they belong to parent_death.py, which sits below the engine.
+from muloco.net.parent_death import die_with_parent, sigterm_when_parent_dies  # noqa: F401
 from muloco.net.preloaded import start_muloco
 
 GRACE_S = 10.0  # how long ended processes get to write their checkpoint before SIGKILL
@@ -271,32 +274,6 @@ def wait_for_maddrs(proc: subprocess.Popen, read_lines: Callable[[], Iterable[st
                 return [str(m) for m in ast.literal_eval(match.group(1))]
         time.sleep(0.1)
     return []
-
-
-def _load_prctl():
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()  # loaded in the launcher: after fork (threads running) the child only calls it
-
-
-def sigterm_when_parent_dies() -> None:
-    """In the child, before exec: ask Linux to SIGTERM it if the launcher dies (even by SIGKILL), so no
-    rank is left waiting on a collective. Elsewhere a no-op."""
-    if _PRCTL is not None:
-        _PRCTL(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
-
-
-def die_with_parent() -> None:
-    """In a forked helper process (hivemind's DHT and averagers): SIGKILL it when its parent dies, however
-    the parent dies, so a killed peer leaves no orphans behind."""
-    if _PRCTL is not None:
-        _PRCTL(1, int(signal.SIGKILL))
 
 
 def end_processes(procs: list[subprocess.Popen], whole_group: bool = False) -> None:
