@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-from muloco.tools.report import load_runs
+from muloco.tools.runs import load_runs
 
 OPTIMIZERS = {"adamw": "DiLoCo (AdamW)", "muon": "MuLoCo (Muon)"}
 RULES = ["mean", "trimmed_mean", "median", "centered_clip"]

@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from muloco.run.metrics import read_jsonl
-from muloco.tools.report import load_runs
+from muloco.tools.runs import load_runs
 
 ROOT = Path("runs/sweeps")
 ORDER = ["adamw", "muon", "lion", "ademamix", "Adafactor"]

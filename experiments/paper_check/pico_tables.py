@@ -21,8 +21,8 @@ from typing import Any
 
 from muloco.run.metrics import read_jsonl
 from muloco.tools import tuning as tuned_comparison
-from muloco.tools.report import RunRecord, load_runs, varied_keys
-from muloco.tools.report import own_lr as lr  # the run's inner optimizer's own lr
+from muloco.tools.runs import RunRecord, load_runs, varied_keys
+from muloco.tools.runs import own_lr as lr  # the run's inner optimizer's own lr
 from muloco.tools.tuning import TuneSpec
 
 ROOT = Path("runs/sweeps")

@@ -27,7 +27,7 @@ import json
 import statistics
 from pathlib import Path
 
-from muloco.tools.report import RunRecord, load_runs
+from muloco.tools.runs import RunRecord, load_runs
 
 OPTIMIZERS = {"adamw": "DiLoCo (AdamW)", "muon": "MuLoCo (Muon)"}
 

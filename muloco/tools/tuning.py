@@ -13,27 +13,20 @@ tuned. Within a cell every combination of the `over` keys is a candidate:
   outer.*, compression.*; without a DP cell at the same `workers`, the best DP cell at any K), over the seeds
   both best candidates ran: gap per seed = (loss / DP loss - 1) x 100, then their mean and range.
 
-Pure functions over the report's run records (muloco/tools/report.py); the report draws the table, the JSON
-and the plot.
+Pure functions over the report's run records (runs.py); the report draws the table, the JSON and the
+plot.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from muloco.tools.report import RunRecord
+from muloco.tools.runs import DP_BASELINE_FREE_PREFIXES, DP_IGNORED_PREFIXES, RunRecord, canonical
 
 SEED_KEY = "run.seed"
-# Keys a DP run ignores: a DiLoCo cell's DP baseline is matched on every other setting.
-DP_IGNORED_PREFIXES = ("sync.", "outer.", "compression.", "diagnostics.")
-# What a method may differ in from its DP baseline beside them: the baseline has no communication hook, and
-# may run on another backend (where it ran, not its maths: e.g. DDP + PowerSGD over torch, DP simulated).
-DP_BASELINE_FREE_PREFIXES = (*DP_IGNORED_PREFIXES, "dp.", "backend.")
 
 
 @dataclass(frozen=True)
@@ -76,19 +69,15 @@ class Comparison:
         return statistics.mean(self.gaps) if self.gaps else None
 
 
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, default=str)
-
-
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _sorted_values(values: list[Any]) -> list[Any]:
-    unique = list({_canonical(v): v for v in values}.values())
+    unique = list({canonical(v): v for v in values}.values())
     if all(_number(v) for v in unique):
         return sorted(unique)
-    return sorted(unique, key=_canonical)
+    return sorted(unique, key=canonical)
 
 
 def setting(run: RunRecord, key: str) -> Any:
@@ -130,7 +119,7 @@ def _tune_cell(method: str, settings: dict[str, Any], runs: list[RunRecord], spe
     values: dict[str, dict[str, Any]] = {}
     for run in runs:
         candidate = {k: setting(run, k) for k in spec.over}
-        name = _canonical(candidate)
+        name = canonical(candidate)
         values[name] = candidate
         # A seed repeated at one candidate (a rerun under another name) keeps its lower-named run.
         candidates.setdefault(name, {}).setdefault(run.config.get(SEED_KEY), run)
@@ -150,7 +139,7 @@ def _tune_cell(method: str, settings: dict[str, Any], runs: list[RunRecord], spe
         best=best,
         by_seed=candidates[winner],
         tried=tried,
-        chosen_on=sorted(common, key=_canonical),
+        chosen_on=sorted(common, key=canonical),
         warnings=_edge_warnings(best, tried),
     )
 
@@ -167,7 +156,7 @@ def tune(runs: list[RunRecord], varied: list[str], spec: TuneSpec) -> list[Tuned
         own = {k: setting(run, k) for k in keys}
         if method == "dp":
             own = {k: v for k, v in own.items() if not k.startswith(DP_BASELINE_FREE_PREFIXES)}
-        key = (method, _canonical(own))
+        key = (method, canonical(own))
         cells.setdefault(key, []).append(run)
         settings[key] = own
     return [_tune_cell(m, settings[(m, c)], members, spec) for (m, c), members in cells.items()]
@@ -176,7 +165,7 @@ def tune(runs: list[RunRecord], varied: list[str], spec: TuneSpec) -> list[Tuned
 def _dp_cell_for(cell: TunedCell, dp_cells: list[TunedCell]) -> TunedCell | None:
     wanted = {k: v for k, v in cell.settings.items() if not k.startswith(DP_BASELINE_FREE_PREFIXES)}
     for dp in dp_cells:
-        if _canonical(dp.settings) == _canonical(wanted):
+        if canonical(dp.settings) == canonical(wanted):
             return dp
     # No DP run at this K: the best DP cell that differs only in `workers` (DP's loss barely depends on K:
     # the same global batch and data).
@@ -184,7 +173,7 @@ def _dp_cell_for(cell: TunedCell, dp_cells: list[TunedCell]) -> TunedCell | None
     near = [
         dp
         for dp in dp_cells
-        if _canonical({k: v for k, v in dp.settings.items() if k != "workers"}) == _canonical(loose)
+        if canonical({k: v for k, v in dp.settings.items() if k != "workers"}) == canonical(loose)
     ]
     return min(near, key=lambda dp: statistics.mean(r.loss for r in dp.by_seed.values()), default=None)
 
@@ -196,11 +185,11 @@ def compare(cells: list[TunedCell]) -> list[Comparison]:
     for cell in (c for c in cells if c.method == "diloco"):
         dp = _dp_cell_for(cell, dp_cells)
         if dp is None:
-            seeds = sorted(cell.by_seed, key=_canonical)
+            seeds = sorted(cell.by_seed, key=canonical)
             loss = statistics.mean(cell.by_seed[s].loss for s in seeds)
             out.append(Comparison(cell, None, seeds, loss, None, []))
             continue
-        seeds = sorted(set(cell.by_seed) & set(dp.by_seed), key=_canonical)
+        seeds = sorted(set(cell.by_seed) & set(dp.by_seed), key=canonical)
         if not seeds:  # nothing paired: losses over each one's own seeds, no gap
             own = statistics.mean(r.loss for r in cell.by_seed.values())
             dp_own = statistics.mean(r.loss for r in dp.by_seed.values())
@@ -217,7 +206,7 @@ def order(comparisons: list[Comparison], spec: TuneSpec) -> list[Comparison]:
     """Rows sorted by the cells' settings (numbers numerically), the `per` keys first."""
 
     def value(v: Any) -> tuple:
-        return (0, v, "") if _number(v) else (1, 0, _canonical(v))
+        return (0, v, "") if _number(v) else (1, 0, canonical(v))
 
     return sorted(comparisons, key=lambda c: [value(v) for v in c.cell.settings.values()])
 
