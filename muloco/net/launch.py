@@ -34,9 +34,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-# Temporary re-exports for the callers that still import them from here (sync/swarm.py, the testbed):
-# they belong to parent_death.py, which sits below the engine.
-from muloco.net.parent_death import die_with_parent, sigterm_when_parent_dies  # noqa: F401
+# Temporary re-export for sync/swarm.py until it imports it from parent_death.py (below the engine).
+from muloco.net.parent_death import die_with_parent  # noqa: F401
 from muloco.net.preloaded import start_muloco
 
 GRACE_S = 10.0  # how long ended processes get to write their checkpoint before SIGKILL

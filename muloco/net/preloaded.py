@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from muloco.net.parent_death import sigterm_when_parent_dies
-from muloco.net.preload_server import _enter_network_namespace  # noqa: F401  temporary: tests/testbed imports it here
 
 log = logging.getLogger("muloco")
 # Read by muloco, torch.distributed or the child's set-up (preload_server.py) when the run starts, never at
