@@ -26,8 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from muloco.net.probe import time_collectives
-from muloco.net.testbed import Testbed, missing_requirements, train_on_testbed
+from muloco.testbed.network import Testbed, missing_requirements
+from muloco.testbed.probe import time_collectives
+from muloco.testbed.train import train_on_testbed
 
 ROOT = Path(__file__).resolve().parents[2]
 FOUR_BIT = ["compression.scheme=statistical", "compression.bits=4", "compression.error_feedback=true"]
@@ -55,7 +56,7 @@ CASES = {
 }
 WARMUP = 5  # a per-step case's first steps, left out of its median
 # The probe's collectives: a small all-reduce (the stop agreement's) and all-gathers of a size exchange, a
-# 4-bit pico fragment and a 4-bit pico model, each after a 0.2 s pause (muloco.net.probe).
+# 4-bit pico fragment and a 4-bit pico model, each after a 0.2 s pause (muloco.testbed.probe).
 PROBE_OPS = [("all_reduce 1 float", "all_reduce", 4)]
 PROBE_OPS += [(f"all_gather {n:,} B", "all_gather", n) for n in (8, 30_000, 100_000)]
 

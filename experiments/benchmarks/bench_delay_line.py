@@ -1,4 +1,4 @@
-"""What the testbed's user-space delay line carries (muloco/net/delay_line.py): round trip and TCP goodput
+"""What the testbed's user-space delay line carries (muloco/testbed/delay_line.py): round trip and TCP goodput
 between two hosts, with the hub's kernel bridge (no delay) and with the delay line at a cross-site one-way
 delay, at link rates from tens of Mbit/s to 1 Gbit/s; interleaved repeats, medians with their range.
 
@@ -17,9 +17,9 @@ import os
 import statistics
 from pathlib import Path
 
-from muloco.net.probe import goodput_mbit, median_round_trip_ms
-from muloco.net.testbed import Testbed
 from muloco.net.wan import TCP_PAYLOAD_EFFICIENCY
+from muloco.testbed.network import Testbed
+from muloco.testbed.probe import goodput_mbit, median_round_trip_ms
 
 OUT = Path(__file__).parent / "results" / "bench_delay_line.json"
 

@@ -9,7 +9,7 @@ counts (what the ledger books), the bytes that crossed the wire, headers include
 
 - loopback: the K processes run in one network namespace of their own (a 1-host testbed), so its `lo`
   carries nothing else; wire bytes per worker = lo's tx bytes / K;
-- WAN: a K-host testbed (muloco.net.testbed), each host's link limited to --rate-mbit (tbf); wire bytes = each
+- WAN: a K-host testbed (muloco.testbed), each host's link limited to --rate-mbit (tbf); wire bytes = each
   host's eth0 tx bytes.
 
 Without root (no namespaces) the loopback runs go on 127.0.0.1 and the wire column is empty. Times are the
@@ -143,7 +143,7 @@ def worker_command(args: argparse.Namespace, out: str, iface: str | None) -> lis
 def launch(args, K: int, wan: bool) -> list[list[dict]]:
     """K workers on loopback (in a namespace of their own when possible) or on a K-host WAN testbed."""
     from muloco.net.launch import free_port
-    from muloco.net.testbed import Testbed, missing_requirements
+    from muloco.testbed.network import Testbed, missing_requirements
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_transport_"))
     outs = [str(tmp / f"rank{r}.json") for r in range(K)]
@@ -270,7 +270,7 @@ def main() -> None:
     if args.worker:
         run_worker(args)
         return
-    from muloco.net.testbed import missing_requirements
+    from muloco.testbed.network import missing_requirements
 
     shared = missing_requirements() is None
     rows = []

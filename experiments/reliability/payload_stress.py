@@ -67,7 +67,8 @@ def run_loopback(args, out: Path, env: dict[str, str]) -> tuple[list[int | None]
 
 
 def run_testbed(args, out: Path, env: dict[str, str]) -> tuple[list[int | None], str]:
-    from muloco.net.testbed import Testbed, train_on_testbed
+    from muloco.testbed.network import Testbed
+    from muloco.testbed.train import train_on_testbed
 
     os.environ.update(env)  # the testbed's processes inherit this process's environment
     with Testbed(args.peers, args.testbed_mbit, delay_ms=args.testbed_delay_ms) as testbed:

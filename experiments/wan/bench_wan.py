@@ -59,8 +59,8 @@ from wan_report import (
 from wan_rows import ROWS, Row
 from wan_runs import completed_curve, first_at_or_below, keep_as_curve, loopback_curve, on_link
 
-from muloco.net.testbed import Testbed, missing_requirements
 from muloco.net.wan import Link
+from muloco.testbed.network import Testbed, missing_requirements
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -440,14 +440,13 @@ def _search_from(horizons: list[float], i: int, reaches) -> float | None:
 def choose_links(ratios: list[float], compute_s: float, ddp_curve: dict, delay_ms: float) -> list[dict]:
     """Each ratio's rate at `delay_ms` one way; where that delay's round trips would make DDP's all-reduce
     latency-bound (calibrate_links.link_for), at the largest whole-ms delay that keeps it byte-bound."""
-    params = ddp_curve["runs"][0]["summary"]["params"]
-    ring = 2 * (WORKERS - 1) / WORKERS * 4 * params
+    gradients = 4 * ddp_curve["runs"][0]["summary"]["params"]  # fp32
     links = []
     for ratio in ratios:
-        solved, delay = link_for(ratio, compute_s, ring, WORKERS, delay_ms / 1e3), delay_ms
+        solved, delay = link_for(ratio, compute_s, gradients, WORKERS, delay_ms), delay_ms
         if solved["rate_mbit"] is None:
             delay = solved["latency_ms_max"]
-            solved = link_for(ratio, compute_s, ring, WORKERS, delay / 1e3)
+            solved = link_for(ratio, compute_s, gradients, WORKERS, delay)
         label = f"{solved['rate_mbit']:.3g} Mbit/s {delay:g} ms"
         links.append(
             {"ratio": ratio, "rate_mbit": round(solved["rate_mbit"], 2), "delay_ms": delay, "label": label}

@@ -11,14 +11,16 @@ A deployment is characterized by DDP's all-reduce time over its compute time per
 
 This script measures the compute time per DDP step of CONFIG here (K processes of `muloco launch`, on
 loopback, each with its share of the cores: as the testbed runs them) and solves, for each ratio, the link
-rate R at which the all-reduce of this model's gradients takes ratio x that time (muloco.net.wan: the
-longer of its bytes and its 2K round trips):
+rate R at which the all-reduce of this model's gradients takes ratio x that time by the planner's model
+(muloco.net.wan.allreduce_seconds: the longer of its bytes and its round trips, 2K for pico):
 
     ratio x compute = 8 x 2 (K-1)/K x G / (0.957 R),  with 2K x 2 x latency <= ratio x compute / 2
 
 so that, as in the deployment, the all-reduce's time is its bytes, its round trips at most half of it and
 hidden behind them. Where the latency's round trips exceed that, the ratio cannot be reached at that
 latency: it says so, with the compute per step it would need and the largest latency that reaches it.
+`link_for` asks the model for both terms (its bytes' time falls as 1 / R, its round trips' grows with the
+latency) rather than restating it.
 
     python experiments/wan/calibrate_links.py [--config configs/pico.yaml] [--workers 4] [--latency-ms 25]
         [--ratios 50 5 0.5] [--steps 60] [KEY=VALUE ...]
@@ -36,8 +38,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from muloco.comm.base import ring_allreduce_bytes
 from muloco.config import load_config
-from muloco.net.wan import TCP_PAYLOAD_EFFICIENCY, allreduce_round_trips
+from muloco.net.wan import Link, allreduce_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).parent / "results" / "calibrate_links.json"
@@ -57,20 +60,27 @@ def compute_per_step(config: str, workers: int, steps: int, overrides: list[str]
     return summary["worker_compute_s"] / summary["inner_steps"], summary["params"]
 
 
-def link_for(ratio: float, compute_s: float, ring_bytes: float, workers: int, latency_s: float) -> dict:
+def link_for(ratio: float, compute_s: float, payload_bytes: float, workers: int, latency_ms: float) -> dict:
+    """The rate (Mbit/s) at which the all-reduce of `payload_bytes` (fp32 gradients) over K workers takes
+    ratio x compute_s by muloco.net.wan's model, its bytes setting the time: its round trips at
+    `latency_ms` one way at most half of it; else no rate, the compute that ratio needs and the largest
+    whole-ms latency that reaches it."""
     target_s = ratio * compute_s
-    round_trips_s = allreduce_round_trips(workers) * 2 * latency_s
+    # The model's two terms, each alone: the bytes' time on a 1 Mbit/s link with no latency (it falls as
+    # 1 / rate), the round trips' on a link of unbounded rate (it grows with the latency).
+    bytes_s_at_1_mbit = allreduce_seconds(Link(1.0), payload_bytes, workers)
+    round_trips_s = allreduce_seconds(Link(math.inf, latency_ms), payload_bytes, workers)
     if round_trips_s > target_s / 2:
+        per_ms = allreduce_seconds(Link(math.inf, 1.0), payload_bytes, workers)
         return {
             "ratio": ratio,
             "allreduce_s": target_s,
             "rate_mbit": None,
             "why": f"its round trips take {round_trips_s:.3f} s > half of {target_s:.3f} s",
             "compute_s_needed": 2 * round_trips_s / ratio,
-            # one way, whole ms
-            "latency_ms_max": math.floor(1e3 * target_s / 2 / (2 * allreduce_round_trips(workers))),
+            "latency_ms_max": math.floor(target_s / 2 / per_ms),  # one way, whole ms
         }
-    rate = 8 * ring_bytes / (TCP_PAYLOAD_EFFICIENCY * target_s) / 1e6
+    rate = bytes_s_at_1_mbit / target_s
     share = round_trips_s / target_s
     return {"ratio": ratio, "allreduce_s": target_s, "rate_mbit": rate, "latency_share": share}
 
@@ -88,8 +98,8 @@ def main() -> int:
 
     compute_s, params = compute_per_step(args.config, args.workers, args.steps, args.overrides)
     K = args.workers
-    ring_bytes = 2 * (K - 1) / K * 4 * params
-    rows = [link_for(r, compute_s, ring_bytes, K, args.latency_ms / 1e3) for r in args.ratios]
+    ring_bytes = ring_allreduce_bytes(4 * params, K)  # fp32 gradients, what each worker sends
+    rows = [link_for(r, compute_s, 4 * params, K, args.latency_ms) for r in args.ratios]
     print(
         f"{Path(args.config).name} {' '.join(args.overrides)}: {params:,} parameters, K = {K}, "
         f"ring all-reduce {ring_bytes / 1e6:.3f} MB per worker, "

@@ -29,9 +29,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from muloco.net.probe import time_collectives
-from muloco.net.testbed import Testbed, missing_requirements
 from muloco.net.wan import Link, allgather_seconds, allreduce_seconds, reduce_scatter_seconds
+from muloco.testbed.network import Testbed, missing_requirements
+from muloco.testbed.probe import time_collectives
 
 HERE = Path(__file__).resolve().parent
 WORKERS = 4

@@ -29,8 +29,8 @@ from pathlib import Path
 from wan_rows import ROWS
 from wan_runs import on_link
 
-from muloco.net.testbed import Testbed, missing_requirements
 from muloco.net.wan import Link
+from muloco.testbed.network import Testbed, missing_requirements
 
 HERE = Path(__file__).resolve().parent
 WORKERS = 4

@@ -2,7 +2,9 @@
 
 A result row (one method over one link) holds what was measured; `measure` derives the table's columns,
 `workload` the run as the planner sees it (muloco.net.wan.Workload), so that `planner_s` projects the
-same run onto the same link and the plot onto any rate.
+same run onto the same link and the plot onto any rate. The model is muloco.net.wan's alone (its round
+trips, phases, pro-rata cut and wall-clock); here only which of a row's fields and which probe's
+measurements feed it.
 """
 
 from __future__ import annotations
@@ -16,22 +18,10 @@ from pathlib import Path
 from wan_rows import ROWS
 
 from muloco.config.sections import DEFAULT_MEAN_BITS
-from muloco.net.wan import (
-    Link,
-    Workload,
-    allgather_round_trips,
-    allreduce_round_trips,
-    reduce_scatter_phases,
-    wall_clock,
-)
+from muloco.net.wan import Link, Workload, pro_rata, reduce_scatter_shares, sync_round_trips, wall_clock
 
 WORKERS = 4
-ROUND_TRIPS = {
-    "all_reduce": allreduce_round_trips(WORKERS),  # pico's buffers (<= 739 KB) are under 2K MiB: 2K
-    "all_gather": allgather_round_trips(WORKERS),
-    # its two collectives' (sync_phases); round trips do not depend on the bytes
-    "reduce_scatter": sum(trips for _, trips in reduce_scatter_phases(WORKERS, 1, 1)),
-}
+TRANSPORTS = ("all_reduce", "all_gather", "reduce_scatter")  # the engine's; any other: all_gather's
 # A hivemind sync's local cost and the round trips of its matchmaking and streams, measured over the
 # testbed at several delays (probe_hivemind.py): gloo's model does not describe it.
 HIVEMIND_PROBE = Path(__file__).resolve().parent / "results/probe_hivemind.json"
@@ -84,30 +74,28 @@ def loopback_transfer_s(row: dict) -> float:
 
 def round_trips_per_sync(row: dict) -> tuple[float, float]:
     """Round trips of one sync (those its bytes overlap, those they do not): a ring all-reduce per DDP
-    bucket (PowerSGD: three, its P, its Q and the vectors it leaves uncompressed); the engine's transport
-    for the others; hivemind: its probe's, which its bytes do not overlap."""
+    bucket (PowerSGD: three, its P, its Q and the vectors it leaves uncompressed; pico's buffers are under
+    2K MiB); the engine's transport for the others; hivemind: its probe's, which its bytes do not overlap."""
     if row["per_step"]:
-        return row.get("allreduces_per_step", 1) * ROUND_TRIPS["all_reduce"], 0
+        return row.get("allreduces_per_step", 1) * sync_round_trips("all_reduce", WORKERS), 0
     if row["backend"] == "hivemind":
         return 0, hivemind_sync()[1]
-    transport = row["transport"] if row["transport"] in ROUND_TRIPS else "all_gather"
-    return ROUND_TRIPS[transport], 0
+    transport = row["transport"] if row["transport"] in TRANSPORTS else "all_gather"
+    return sync_round_trips(transport, WORKERS), 0
 
 
 def sync_phases(row: dict) -> tuple[tuple[float, float], ...]:
     """A reduce_scatter row's two collectives as shares of its counted bytes: the parts at the row's bits,
-    the owners' means at their default bits (compression.mean_bits; row scales left out, ~1%); their times
-    add (muloco.net.wan.reduce_scatter_phases). Others: one collective."""
+    the owners' means at their default bits (compression.mean_bits); their times add
+    (muloco.net.wan.reduce_scatter_shares). Others: one collective."""
     if row["per_step"] or row["backend"] == "hivemind" or row["transport"] != "reduce_scatter":
         return ()
     bits = int(ROWS[row["key"]].override("compression.bits"))
-    phases = reduce_scatter_phases(WORKERS, bits, DEFAULT_MEAN_BITS[bits])
-    total = sum(sent for sent, _ in phases)
-    return tuple((sent / total, trips) for sent, trips in phases)
+    return reduce_scatter_shares(WORKERS, bits, DEFAULT_MEAN_BITS[bits])
 
 
-def workload(row: dict, steps: int, syncs: int, bytes_sent: float) -> Workload:
-    """`row`'s run up to `steps` inner steps with `syncs` syncs that sent `bytes_sent` per worker."""
+def workload(row: dict, steps: int, syncs: int, bytes_per_sync: float) -> Workload:
+    """`row`'s run up to `steps` inner steps with `syncs` syncs of `bytes_per_sync` per worker each."""
     rounds, serial = round_trips_per_sync(row)
     # hivemind's local cost is its own (probe), not its torch twin's loopback run's.
     local = hivemind_sync()[0] if row["backend"] == "hivemind" else row.get("local_s_per_sync", 0.0)
@@ -115,7 +103,7 @@ def workload(row: dict, steps: int, syncs: int, bytes_sent: float) -> Workload:
         steps=steps,
         step_compute_s=row["step_compute_s"],
         syncs=syncs,
-        bytes_per_sync=bytes_sent / max(1, syncs),
+        bytes_per_sync=bytes_per_sync,
         round_trips_per_sync=rounds,
         hidden_steps=row.get("overlap", 0),
         serial_round_trips_per_sync=serial,
@@ -130,11 +118,12 @@ def to_target_workload(row: dict) -> Workload | None:
     steps = row["steps_to_target"]
     if steps is None:
         return None
-    share = steps / row["run_steps"]
-    return workload(row, steps, round(row["run_syncs"] * share), row["run_bytes_per_worker"] * share)
+    syncs, bytes_per_sync = pro_rata(steps, row["run_steps"], row["run_syncs"], row["run_bytes_per_worker"])
+    return workload(row, steps, syncs, bytes_per_sync)
 
 
 def planner_s(row: dict, link: Link) -> float | None:
+    """`row`'s wall-clock to DDP's loss on `link` by muloco.net.wan's model (None: not reached)."""
     work = to_target_workload(row)
     return None if work is None else wall_clock(work, link)
 

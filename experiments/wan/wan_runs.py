@@ -21,7 +21,8 @@ from pathlib import Path
 
 from wan_rows import Row
 
-from muloco.net.testbed import Testbed, train_on_testbed
+from muloco.testbed.network import Testbed
+from muloco.testbed.train import train_on_testbed
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs/pico.yaml")

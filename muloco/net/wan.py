@@ -128,6 +128,18 @@ def sync_seconds(
     )
 
 
+def sync_round_trips(transport: str, workers: int, payload_bytes: float = 0.0) -> int:
+    """Round trips of one sync by `transport` (the engine's) that its bytes overlap: an all-reduce's one
+    per gloo segment of `payload_bytes` (2K up to 2K MiB: pico's 739 KB and any smaller buffer), an
+    all-gather's K-1, reduce_scatter's two collectives' 1 + (K-1)."""
+    if transport == "all_reduce":
+        return allreduce_round_trips(workers, payload_bytes)
+    if transport == "all_gather":
+        return allgather_round_trips(workers)
+    assert transport == "reduce_scatter", f"{transport=}"
+    return sum(trips for _, trips in reduce_scatter_phases(workers, 1, 1))  # round trips: not the bytes'
+
+
 def faster_transport(link: Link | None, message_bytes: float, mean_bytes: float, workers: int) -> str:
     """all_gather or reduce_scatter for compressed syncs: the one that is faster on `link` (with no link:
     the one that sends fewer bytes). At K <= 2 both send the same bytes and all_gather quantizes once, so
@@ -221,7 +233,9 @@ def plan(
 
 @dataclass(frozen=True)
 class Workload:
-    """A run up to some loss, as measured, for projecting its wall-clock onto any link (bench_wan.py).
+    """A run up to some loss, as measured, for projecting its wall-clock onto any link (`wall_clock`; the
+    WAN headline's planner, experiments/wan/wan_report.py, builds one per measured row with sync_round_trips,
+    reduce_scatter_shares and pro_rata).
 
     steps inner steps of step_compute_s each (one worker); syncs collectives on the link, each sending
     bytes_per_sync per worker (as muloco counts them) in round_trips_per_sync, after
@@ -244,6 +258,26 @@ class Workload:
     # The sync's collectives' own time with no link (probe_collectives.py --loopback), which the loopback
     # measurements above already hold: in local_s_per_sync, or under a DDP hook in step_compute_s.
     loopback_transfer_s: float = 0.0
+
+
+def reduce_scatter_shares(
+    workers: int, message_bytes: float, mean_bytes: float
+) -> tuple[tuple[float, float], ...]:
+    """reduce_scatter's two collectives as a Workload's phases: (share of the bytes a sync sends, round
+    trips) each, for bytes_per_sync that counts both, as muloco does. Only the sizes' ratio matters: bits
+    per parameter will do (the message's bits, the owners' means' compression.mean_bits; row scales, ~1%,
+    left out)."""
+    phases = reduce_scatter_phases(workers, message_bytes, mean_bytes)
+    total = sum(sent for sent, _ in phases)
+    return tuple((sent / total, trips) for sent, trips in phases)
+
+
+def pro_rata(steps: int, run_steps: int, run_syncs: int, run_bytes: float) -> tuple[int, float]:
+    """(syncs, bytes per sync) of a measured run's first `steps` inner steps: the run's `run_syncs` syncs
+    (rounded to whole ones) and `run_bytes` per worker in proportion to `steps` of its `run_steps`."""
+    share = steps / run_steps
+    syncs = round(run_syncs * share)
+    return syncs, run_bytes * share / max(1, syncs)
 
 
 def transfer_seconds(work: Workload, link: Link) -> float:

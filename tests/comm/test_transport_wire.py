@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from muloco.net.testbed import missing_requirements
+from muloco.testbed.network import missing_requirements
 
 BENCH = Path(__file__).resolve().parents[2] / "experiments/benchmarks/bench_transport.py"
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from muloco.net.testbed import missing_requirements
 from muloco.net.wan import Link
+from muloco.testbed.network import missing_requirements
 
 ROOT = Path(__file__).resolve().parents[2]
 REASON = missing_requirements()  # None: root and iproute2, the testbed can run
@@ -365,18 +365,65 @@ def test_the_planner_check_counts_each_rows_loopback_collectives_once():
     assert wan_report.planner_s(ddp, slow) == pytest.approx(10 * (0.05 - c + transfer))
 
 
+@pytest.mark.parametrize("key", ["ddp", "ddp_powersgd", "muloco_4bit", "streaming_4bit", "hivemind_4bit"])
+def test_the_reports_planner_time_is_net_wans_for_a_committed_row(key):
+    """wan_report.planner_s is muloco.net.wan's model fed a row's measurements, not a model of its own: a
+    committed headline row's planner time is wall_clock of the Workload built from net.wan's round trips,
+    reduce-scatter shares and pro-rata cut (what the report adds: which fields and which probes)."""
+    import wan_report
+
+    from muloco.net.wan import Workload, pro_rata, reduce_scatter_shares, sync_round_trips, wall_clock
+
+    saved = json.loads((ROOT / "experiments/wan/results/wan_headline.json").read_text())
+    row = next(r for r in saved["rows"] if r["key"] == key and r["steps_to_target"])
+    link = Link(row["rate_mbit"], row["delay_ms"])
+    syncs, per_sync = pro_rata(
+        row["steps_to_target"], row["run_steps"], row["run_syncs"], row["run_bytes_per_worker"]
+    )
+    round_trips, serial, local, phases = 0, 0.0, row["local_s_per_sync"], ()
+    if row["per_step"]:
+        round_trips = row.get("allreduces_per_step", 1) * sync_round_trips("all_reduce", 4)
+    elif row["backend"] == "hivemind":
+        probe = json.loads(wan_report.HIVEMIND_PROBE.read_text())
+        serial, local = probe["round_trips"], probe["local_s"]
+    else:
+        round_trips = sync_round_trips(row["transport"], 4)
+        if row["transport"] == "reduce_scatter":
+            phases = reduce_scatter_shares(4, 4, 8)  # 4-bit parts, 8-bit means (DEFAULT_MEAN_BITS)
+    work = Workload(
+        steps=row["steps_to_target"],
+        step_compute_s=row["step_compute_s"],
+        syncs=syncs,
+        bytes_per_sync=per_sync,
+        round_trips_per_sync=round_trips,
+        hidden_steps=row["overlap"],
+        serial_round_trips_per_sync=serial,
+        local_s_per_sync=local,
+        phases=phases,
+        loopback_transfer_s=wan_report.loopback_transfer_s(row),
+    )
+    assert wan_report.planner_s(row, link) == wall_clock(work, link)
+    assert wan_report.to_target_workload(row) == work
+
+
 def test_links_are_solved_byte_bound_and_a_delay_too_long_for_the_ratio_is_lowered():
-    """calibrate_links.link_for: the rate from the all-reduce's bytes at ratio x compute; a latency whose
-    2K round trips exceed half of that time is refused with the largest whole-ms one that fits."""
+    """calibrate_links.link_for: the rate at which net/wan's all-reduce takes ratio x compute, its bytes
+    setting the time; a latency whose 2K round trips exceed half of that time is refused with the largest
+    whole-ms one that fits."""
     from calibrate_links import link_for
 
-    ring = 2 * 3 / 4 * 4 * 1e6  # 1M parameters, K = 4: 6 MB per worker
-    fits = link_for(50, 0.02, ring, 4, 0.005)  # 1 s; 8 round trips of 10 ms: 0.08 s
+    from muloco.net.wan import allreduce_seconds
+
+    gradients = 4 * 1e6  # 1M fp32 parameters, K = 4: 6 MB per worker
+    fits = link_for(50, 0.02, gradients, 4, 5.0)  # 1 s; 8 round trips of 10 ms: 0.08 s
     assert fits["rate_mbit"] == pytest.approx(8 * 6e6 / (1448 / 1514) / 1e6)
     assert fits["latency_share"] == pytest.approx(0.08)
-    refused = link_for(5, 0.02, ring, 4, 0.020)  # 0.1 s, but 8 round trips of 40 ms: 0.32 s
+    solved = Link(fits["rate_mbit"], 5.0)
+    assert allreduce_seconds(solved, gradients, 4) == pytest.approx(50 * 0.02)  # the model says 1 s back
+    refused = link_for(5, 0.02, gradients, 4, 20.0)  # 0.1 s, but 8 round trips of 40 ms: 0.32 s
     assert refused["rate_mbit"] is None
     assert refused["latency_ms_max"] == 3  # 8 x 2 x 3 ms = 48 ms <= 50 ms; 4 ms would be 64 ms
+    assert refused["compute_s_needed"] == pytest.approx(2 * 0.32 / 5)
 
 
 # Time (~100 s alone, up to 170 s beside another file): DDP's and MuLoCo 4-bit's 60-step curves on

@@ -17,7 +17,10 @@ from muloco.net.wan import (
     faster_transport,
     parse_count,
     plan,
+    pro_rata,
     reduce_scatter_seconds,
+    reduce_scatter_shares,
+    sync_round_trips,
     wall_clock,
 )
 
@@ -50,6 +53,26 @@ def test_a_collective_takes_its_bytes_or_its_round_trips_whichever_is_longer():
     work = Workload(steps=1, step_compute_s=0.0, syncs=1, bytes_per_sync=1.5e6, round_trips_per_sync=4)
     assert wall_clock(replace(work, phases=((0.5, 1), (0.5, 3))), far) == pytest.approx(0.18)
     assert wall_clock(work, far) == pytest.approx(0.16)
+
+
+def test_a_measured_syncs_shape_round_trips_phases_and_pro_rata_cut():
+    """What a Workload is built from: each transport's round trips, reduce_scatter's phases as shares of
+    the bytes muloco counts, and a run's syncs and bytes up to a step."""
+    assert [sync_round_trips(t, 4) for t in ("all_reduce", "all_gather", "reduce_scatter")] == [8, 3, 4]
+    assert sync_round_trips("all_reduce", 4, 64 * 2**20) == 64  # a gloo segment per MiB past 2K
+    # 4-bit parts, 8-bit owners' means over 4 workers: 3/4 of each is sent, a third and two thirds of it.
+    (parts, means) = reduce_scatter_shares(4, 4, 8)
+    assert parts == (pytest.approx(1 / 3), 1) and means == (pytest.approx(2 / 3), 3)
+    link = Link(bandwidth_mbps=100, latency_ms=20, efficiency=1.0)
+    # 1 MB parts and 2 MB means: 3/4 of 3 MB sent, which the shares split as the two collectives send it.
+    work = Workload(steps=1, step_compute_s=0.0, syncs=1, bytes_per_sync=2.25e6, round_trips_per_sync=4)
+    shared = replace(work, phases=reduce_scatter_shares(4, 1e6, 2e6))
+    assert wall_clock(shared, link) == pytest.approx(reduce_scatter_seconds(link, 1e6, 2e6, 4))
+    # The first 150 of 300 steps of a run with 20 syncs that sent 10 MB: 10 syncs of 0.5 MB; 100 steps: 6.67
+    # syncs, rounded to 7, of the 3.33 MB sent by then.
+    assert pro_rata(150, 300, 20, 10e6) == (10, pytest.approx(0.5e6))
+    assert pro_rata(100, 300, 20, 10e6) == (7, pytest.approx(10e6 / 3 / 7))
+    assert pro_rata(1, 300, 20, 10e6)[0] == 0  # no sync yet: the bytes over one, not a division by zero
 
 
 def test_a_workloads_wall_clock_is_compute_plus_what_overlap_does_not_hide():

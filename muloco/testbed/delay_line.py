@@ -12,7 +12,7 @@ Offloads stay on: with PACKET_VNET_HDR the sockets read a veth's GSO frames whol
 virtio-net header that says how to segment and checksum them) and hand them back the same way, so the
 relay moves a few thousand frames a second at hundreds of Mbit/s rather than one per 1,500 bytes.
 
-    python -m muloco.net.delay_line --delay-ms 25 p0 p1 p2 p3     # inside the hub's namespace (root)
+    python -m muloco.testbed.delay_line --delay-ms 25 p0 p1 p2 p3     # inside the hub's namespace (root)
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class DelayLine:
 
 def main(argv: list[str] | None = None) -> int:
     summary = __doc__.split("\n")[0]
-    parser = argparse.ArgumentParser(prog="python -m muloco.net.delay_line", description=summary)
+    parser = argparse.ArgumentParser(prog="python -m muloco.testbed.delay_line", description=summary)
     parser.add_argument("--delay-ms", type=float, required=True, help="one-way delay through the hub")
     parser.add_argument("ports", nargs="+", help="the hub's ports (p0 p1 ...)")
     args = parser.parse_args(argv)

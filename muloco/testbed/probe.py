@@ -1,8 +1,8 @@
 """What a testbed's links carry, measured between two of its hosts: the round trip of a 1-byte TCP message
-and the goodput of a bulk TCP transfer (tests/net/test_testbed.py, experiments/wan/delay_line_check.py);
-and among all of them, the time of gloo's collectives (experiments/wan/probe_collectives.py,
-experiments/benchmarks/bench_control_plane.py). All run as small Python programs inside the hosts'
-namespaces."""
+and the goodput of a bulk TCP transfer (tests/testbed/test_network.py,
+experiments/benchmarks/bench_delay_line.py); and among all of them, the time of gloo's collectives
+(experiments/wan/probe_collectives.py, experiments/benchmarks/bench_control_plane.py). All run as small
+Python programs inside the hosts' namespaces."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import sys
 import textwrap
 import time
 
-from muloco.net.launch import free_port, sigterm_when_parent_dies
-from muloco.net.testbed import Testbed
+from muloco.net.launch import free_port
+from muloco.net.parent_death import sigterm_when_parent_dies
+from muloco.testbed.network import Testbed
 
 PORT = 5003
 

@@ -3,7 +3,7 @@ link pays for each collective, which the WAN planner check does not count twice.
 
 import pytest
 
-from muloco.net.probe import time_collectives
+from muloco.testbed.probe import time_collectives
 
 
 # ~4 s: 2 processes import torch and run each op 12 times.
