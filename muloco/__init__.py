@@ -1,10 +1,11 @@
 """muloco: low-communication distributed training of language models (DiLoCo, MuLoCo).
 
-Map of the package (arrows point down only; docs/design.md draws it):
-    cli.py -> run/ (trainer.py: the loop) -> sync/ (the engine) -> compress/, comm/ (reducers, backends)
-    diloco.py (DiLoCo, the Python API) -> sync/
-    tools/ (report, plots, sample) and sweep/ read finished runs; net/ models links and starts processes
-    checkpoint/, config/ (the schema), models/, data/, optim/, errors.py underneath
+Map of the package, top to bottom (imports point down only: pyproject.toml's import-linter contracts, run in
+CI; docs/design.md draws it):
+    cli/ (the commands) -> sweep/ -> tools/ (read finished runs) | net/launch.py, net/preloaded.py (processes)
+    diloco.py (DiLoCo, the Python API) -> run/ (trainer.py: the loop) -> sync/ (the engine)
+    -> net/wan.py (the link model) -> comm/ (backends) -> compress/ | optim/ | data/ -> models/
+    -> checkpoint/ -> sharding.py -> config/ (the schema) -> errors.py, version.py, net/parent_death.py
     testbed/ (emulated WAN hosts for benchmarks and tests) sits outside: it imports muloco, never the reverse
 """
 
