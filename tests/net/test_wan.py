@@ -153,7 +153,7 @@ def test_plan_command_prints_every_method_per_bandwidth(capsys):
 
 def test_plan_projects_a_configs_run_and_flags_win_over_it(capsys):
     """`muloco plan CONFIG [KEY=VALUE ...]`: that run's model size, K, H, bits and streaming."""
-    from muloco.cli import _config_params
+    from muloco.cli.plan import config_params
     from muloco.config import load_config
 
     qs = "configs/quickstart.yaml"
@@ -161,7 +161,7 @@ def test_plan_projects_a_configs_run_and_flags_win_over_it(capsys):
     args = ["compression.scheme=statistical", "compression.bits=2", "model.preset=small"]
     assert main(["plan", qs, *overrides, *args, "--step-time-s", "0.1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)[0]["rows"]
-    params = _config_params(load_config(qs, ["model.preset=small"]))
+    params = config_params(load_config(qs, ["model.preset=small"]))
     by_hand = plan(params, 8, 20, 0.1, Link(100), bits=2, fragments=2, overlap=1)
     assert [r["total_s"] for r in rows] == pytest.approx([r.total_s for r in by_hand])
     assert 10e6 < params < 12e6  # the small preset: 10.9M
