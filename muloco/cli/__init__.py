@@ -36,7 +36,6 @@ from muloco.cli.commands import (
 )
 from muloco.cli.parser import build_parser
 from muloco.cli.plan import cmd_plan
-from muloco.cli.plan import config_params as _config_params  # noqa: F401  temporary: tests/net/test_wan.py
 from muloco.errors import TrainingError, UserError
 
 
