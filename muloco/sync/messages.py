@@ -72,7 +72,7 @@ def plan_messages(
     sharded: bool,
 ) -> MessagePlan:
     """The fragments' codecs and the transport. A robust sync.aggregate needs every contribution whole:
-    messages (fp32 when uncompressed), all-gathered (aggregate.py). sync.transport is resolved among the
+    messages (fp32 when uncompressed), all-gathered (comm/aggregate.py). sync.transport is resolved among the
     reducer's transports; reduce_scatter wraps each fragment's codec into K parts whose owners re-quantize
     the mean with `compression.mean_bits`."""
     codecs = build_codecs(model, fragments, compression)
