@@ -34,8 +34,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-# Temporary re-export for sync/swarm.py until it imports it from parent_death.py (below the engine).
-from muloco.net.parent_death import die_with_parent  # noqa: F401
 from muloco.net.preloaded import start_muloco
 
 GRACE_S = 10.0  # how long ended processes get to write their checkpoint before SIGKILL

@@ -11,7 +11,6 @@ import shutil
 import torch
 from torch import nn
 
-from muloco.comm.sharding import shard_model, worker_mesh
 from muloco.comm.topology import Topology
 from muloco.config import Config
 from muloco.data import ReplicaStream
@@ -25,6 +24,7 @@ from muloco.run.ddp_hooks import CommHookDDP
 from muloco.run.dp import DataParallel
 from muloco.run.offload import ReplicaOffload
 from muloco.run.replica import Replica
+from muloco.sharding import shard_model, worker_mesh
 from muloco.sync import Reducer, SyncEngine
 from muloco.sync.counters import CommLedger, Progress, WanProjection
 

@@ -35,13 +35,13 @@ from typing import Any
 import torch
 
 from muloco.comm import ring_allgather_bytes, ring_allreduce_bytes
+from muloco.comm.digest import state_digest
 from muloco.comm.topology import Topology
 from muloco.comm.torchft_group import QuorumFailed, TorchftGroup
 from muloco.config import TorchftBackendConfig
 from muloco.errors import TrainingError, UserError
 from muloco.sync.codec import PseudogradientCodec, pack
 from muloco.sync.counters import Component
-from muloco.sync.digest import state_digest
 from muloco.sync.reduce import Contribution, Mean, PendingMean, SharedState, share_with_worker
 
 log = logging.getLogger("muloco")

@@ -31,11 +31,11 @@ from torch import nn
 from torch.profiler import record_function
 
 from muloco.comm import Backend
-from muloco.comm.sharding import local
 from muloco.compress import Compressor, ErrorFeedback
 from muloco.config import CompressionConfig, OuterConfig, SyncConfig
 from muloco.errors import TrainingError, UserError
 from muloco.net.wan import sync_seconds
+from muloco.sharding import local
 from muloco.sync.counters import CommLedger, Progress, WanProjection
 from muloco.sync.engine_state import engine_state, load_engine_state
 from muloco.sync.fragments import Fragment, SyncSchedule, fragment_indices
@@ -70,7 +70,7 @@ class SyncEngine:
         """model: the initial (identical on every replica) parameters; total_steps: the run's length
         (None: open-ended, the Python API), whose last step syncs every fragment with unsynced steps.
         shard_group: sharding=fsdp, the worker's ranks. `model` is then the FSDP-wrapped replica and the
-        engine holds this rank's rows of everything (comm/sharding.py); norms, health and byte counts are
+        engine holds this rank's rows of everything (sharding.py); norms, health and byte counts are
         summed over the group so that every rank of the worker decides alike."""
         self.shard_group = shard_group
         self.sharded_like = list(model.parameters()) if shard_group is not None else None  # DTensors

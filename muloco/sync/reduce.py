@@ -49,7 +49,7 @@ class Contribution:
     messages: list[bytes] = field(default_factory=list)  # compressed: one message per healthy replica
     codec: PseudogradientCodec | PartitionedCodec | None = None  # PartitionedCodec: reduce-scatter
     owner_feedback: list[ErrorFeedback | None] = field(default_factory=list)  # per local replica (owner)
-    aggregate: str = "mean"  # sync.aggregate (aggregate.py): a robust rule needs the messages (codec)
+    aggregate: str = "mean"  # sync.aggregate (comm/aggregate.py): a robust rule needs the messages (codec)
     trim: int = 1  # sync.trim, for trimmed_mean
     apply_step: int | None = None  # when the mean is applied (step + tau); a torchft healer applies it then
     absent: bool = False  # no replicas by design (a torchft worker healed at the last step): not left out
@@ -243,7 +243,7 @@ def _start_mean_uncompressed(
 
 def _start_mean_compressed(backend: Backend, c: Contribution, max_replicas: int) -> PendingMean:
     """Compressed (or a robust sync.aggregate): all-gather every process's messages (one per healthy
-    replica); every process decodes all of them in replica order and combines them (aggregate.py)."""
+    replica); every process decodes all of them in replica order and combines them (comm/aggregate.py)."""
     per_process = max_replicas // backend.world_size  # at most this many healthy replicas each
     capacity = c.codec.packed_bound([t.shape for t in c.like], per_process)
     handle = backend.all_gather_bytes(pack(c.messages), capacity=capacity)

@@ -19,7 +19,7 @@ import torch
 
 from muloco.config import HivemindBackendConfig
 from muloco.errors import TrainingError, UserError
-from muloco.net.launch import die_with_parent
+from muloco.net.parent_death import die_with_parent
 from muloco.sync.codec import PseudogradientCodec, unpack
 from muloco.sync.reduce import Contribution, Mean, PendingMean, SharedState
 
@@ -226,7 +226,7 @@ class SwarmReducer:
         behind_group = bool(mean.details.get("behind_group"))
         reference = mean.details.get("state_reference")  # a peer id when this peer's state differs
         if missed_group:  # it went its own way: it does not offer that state, but announces it truthfully
-            from muloco.sync.digest import state_digest
+            from muloco.comm.digest import state_digest
 
             self.digest = state_digest(state.export_state()[0])
         else:

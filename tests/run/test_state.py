@@ -9,8 +9,8 @@ from muloco.checkpoint.plain import FORMAT_VERSION, load_checkpoint, save_checkp
 from muloco.config import load_config
 from muloco.errors import CheckpointError
 from muloco.net.wan import Link
-from muloco.sync.counters import CommLedger, Progress, WanProjection
 from muloco.run.trainer import Trainer
+from muloco.sync.counters import CommLedger, Progress, WanProjection
 
 
 def test_every_field_is_saved_and_restored():
