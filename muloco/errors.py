@@ -1,6 +1,6 @@
 """Errors that carry a message for the user rather than a traceback.
 
-The CLI turns a `UserError` into one line on stderr and exit code 2 (DESIGN.md contract).
+The CLI turns a `UserError` into one line on stderr and exit code 2 (docs/design.md contract).
 """
 
 

@@ -6,7 +6,7 @@ with another number of ranks per worker: DCP reads each rank's new rows from whi
 The rest of the run's state (counters, streams, RNG) is the same on a worker's ranks and written once.
 
 Layout: `<run_dir>/checkpoints/sharded/step_<inner step, 8 digits>/` (DCP's files and `.metadata`, under
-one key prefix per replica, `replica<r>/...`). Atomic as checkpoint.py: every rank writes into a hidden
+one key prefix per replica, `replica<r>/...`). Atomic as plain.py: every rank writes into a hidden
 temporary directory, and rank 0 renames it to its final name only after all ranks finished, so a rank
 killed mid-write (even kill -9) leaves the previous steps as they were; resume takes the newest complete
 step, which every rank shares. The directory must be visible to every rank (one machine, or a shared file

@@ -1,4 +1,4 @@
-"""The `muloco` command line (DESIGN.md contract).
+"""The `muloco` command line (docs/design.md contract).
 
     muloco train CONFIG [KEY=VALUE ...]     one run
     muloco launch --nproc N CONFIG [...]    N local processes (torch.distributed, gloo/nccl)

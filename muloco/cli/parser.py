@@ -1,4 +1,4 @@
-"""The `muloco` command line's arguments: one sub-parser per command (DESIGN.md contract)."""
+"""The `muloco` command line's arguments: one sub-parser per command (docs/design.md contract)."""
 
 from __future__ import annotations
 

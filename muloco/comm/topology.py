@@ -4,7 +4,7 @@ The world's W processes form G = W / R workers of R ranks each (ranks g R .. g R
 Inside a worker the ranks split every inner step's micro-batches and all-reduce gradients over the fast
 local link (the worker group); only each worker's first rank (its lead) takes part in the pseudogradient
 sync across workers (the sync group) and then broadcasts the mean to its worker's other ranks. With R = 1
-the sync group is the world and there is no worker group: the layout of DESIGN.md.
+the sync group is the world and there is no worker group: the layout of docs/design.md.
 
 Sharded workers (`sharding: fsdp`, muloco/sharding.py) hold 1/R of the model per rank, so every rank
 syncs: rank j of each worker averages its shard with rank j of the other workers (R sync groups, each

@@ -1,4 +1,4 @@
-"""The config schema: the single source of truth for every option (DESIGN.md, "Config keys").
+"""The config schema: the single source of truth for every option (docs/design.md, "Config keys").
 
 - `sections.py`: the training sections (run, model with `MODEL_PRESETS`, data, train, sync, compression)
   and `Section`, their base (unknown keys are errors); `optimizers.py`: inner (with its AdamW), outer, dp.

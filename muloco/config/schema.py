@@ -55,7 +55,7 @@ def fingerprinted(key: str) -> bool:
 
 
 class Config(Section):
-    """A whole run. Sections as in DESIGN.md."""
+    """A whole run. Sections as in docs/design.md."""
 
     run: RunConfig = Field(default_factory=RunConfig)
     method: Literal["diloco", "dp"] = Field(
@@ -293,7 +293,7 @@ class Config(Section):
             del data["dp"]  # added after checkpoints existed; its other keys act only with a hook
         if data.get("sharding") == "replicate":
             del data["sharding"]  # added after checkpoints existed
-        if not with_layout:  # a sharded checkpoint resumes with any ranks_per_worker (sharded_checkpoint.py)
+        if not with_layout:  # a sharded checkpoint resumes with any ranks_per_worker (checkpoint/sharded.py)
             data.pop("ranks_per_worker", None)
             data.pop("sharding", None)
         if data["data"].get("dtype") is None:

@@ -6,7 +6,7 @@ torch.randperm seeded by a sha256 of (seed, e). The samples of all replicas inte
 sequence: replica r's i-th sample is global index g = i*K + r, which is chunk perm_e[g % N] of epoch
 e = g // N. So within an epoch no two replicas ever share a chunk, every chunk is used once per epoch when
 the replicas advance together, and a replica's stream depends only on (tokens, seq_len, seed, r, K), not on
-how the replicas are placed on processes (DESIGN.md: a K=4 simulation equals 4 real processes).
+how the replicas are placed on processes (docs/design.md: a K=4 simulation equals 4 real processes).
 
 Resuming: `state_dict()` holds the position (samples consumed), and a stream rebuilt with the same arguments
 and `load_state_dict(...)` yields exactly the batches an uninterrupted run would have seen.

@@ -1,5 +1,5 @@
 """`method: dp`, the data-parallel baseline: one model whose gradients are averaged over the K workers'
-batches every step, so the maths is K-worker data parallelism (DESIGN.md). A process hosts the streams of
+batches every step, so the maths is K-worker data parallelism (docs/design.md). A process hosts the streams of
 its replicas; the gradient all-reduce across processes is an identity in one process."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 when enabled.
 
 Each JSONL record has at least `kind` (train | eval | sync), `step` (inner step), `tokens` (tokens seen by
-all replicas) and `time_s` (DESIGN.md contract).
+all replicas) and `time_s` (docs/design.md contract).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def timed_record(
     bytes_sent: float,
     **values: Any,
 ) -> dict[str, Any]:
-    """One metrics.jsonl record at inner step `step` (DESIGN.md's contract: kind, step, tokens, time_s;
+    """One metrics.jsonl record at inner step `step` (docs/design.md's contract: kind, step, tokens, time_s;
     train and sync records also bytes_sent, tokens_per_s, eta_s)."""
     tokens = step * batch_tokens
     record = {"kind": kind, "step": step, "tokens": tokens, "time_s": round(elapsed, 3), **values}

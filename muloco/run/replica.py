@@ -1,4 +1,4 @@
-"""A replica: model parameters + inner optimizer state + its own data stream (DESIGN.md).
+"""A replica: model parameters + inner optimizer state + its own data stream (docs/design.md).
 
 A process hosts k >= 1 replicas. In DiLoCo each replica trains alone for H inner steps; the trainer then
 reads its pseudogradient and resets it to the new global parameters. Inner optimizer state persists across

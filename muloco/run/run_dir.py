@@ -1,5 +1,5 @@
-"""The run directory `<run.output_dir>/<run.name>/` (DESIGN.md contract): created and checked before a run
-starts, written atomically, and never touched by a run that is refused (bad input, a mismatched resume).
+"""The run directory `<run.output_dir>/<run.name>/` (docs/design.md's contract): created and checked before
+a run starts, written atomically, and never touched by a run that is refused (bad input, a mismatched resume).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""summary.json (DESIGN.md's contract): the config's key figures, every component's summary fields, and
+"""summary.json (docs/design.md's contract): the config's key figures, every component's summary fields, and
 the run's throughput."""
 
 from __future__ import annotations

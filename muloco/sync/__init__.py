@@ -1,4 +1,4 @@
-"""The sync engine: from the replicas' inner steps to the next round (DESIGN.md, "Layers").
+"""The sync engine: from the replicas' inner steps to the next round (docs/design.md, "Layers").
 
 - `engine.py`: `SyncEngine`: the round (`round`: apply what is due, start what is scheduled, follow a moved
   quorum), one sync in two halves (`start` -> `InFlightSync`, `finish` -> `SyncRecord`), error-feedback

@@ -1,7 +1,7 @@
 """A run's counters as components: each owns its state (checkpointed) and its summary.json fields. The
 engine books steps, syncs and bytes into them; the run (muloco/run/) and `muloco.DiLoCo` read them.
 
-A checkpoint is `{name: component.state_dict()}` (checkpoint.py), so a new counter is one new dataclass
+A checkpoint is `{name: component.state_dict()}` (run/checkpointing.py), so a new counter is one new dataclass
 field: it is saved, restored and, when its component lists it, summarised without further edits.
 """
 
