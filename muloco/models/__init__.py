@@ -1,6 +1,7 @@
 """Models: what a run trains and which parameters go to Muon.
 
-- `gpt.py`: the built-in GPT and its size presets.
+- `gpt.py`: the built-in GPT and its size presets; `norms.py`: its LayerNorm, whose CPU gradients do not
+  depend on torch's thread count.
 - `factory.py`: `model.factory`, the user's own model; `hf.py`: `model.hf`, Hugging Face causal LMs from a
   config; `lm.py`: `CausalLM`, the wrapper that gives both the GPT's contract and checks them.
 - `build.py`: `build_model(model_cfg, vocab_size)`, the one entry point.

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from muloco.models.norms import LayerNorm
 from muloco.models.roles import ParamRole
 
 
@@ -28,7 +29,8 @@ class GPTConfig:
 
 
 def _norm(kind: str, dim: int) -> nn.Module:
-    return nn.RMSNorm(dim, eps=1e-6) if kind == "rmsnorm" else nn.LayerNorm(dim, bias=False)
+    # norms.LayerNorm: nn.LayerNorm's outputs, with gradients that are the same bits at any thread count.
+    return nn.RMSNorm(dim, eps=1e-6) if kind == "rmsnorm" else LayerNorm(dim, bias=False)
 
 
 class CausalSelfAttention(nn.Module):

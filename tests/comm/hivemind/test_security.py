@@ -140,9 +140,7 @@ def test_an_intruder_without_the_key_changes_nothing_and_is_named(tmp_path, TINY
 
 
 INSIDER_RUN = ["workers=5", "train.batch_tokens=640", "train.total_tokens=15360", "sync.every=3"]
-# One thread in the peers as in the simulation: LayerNorm's weight gradient on the CPU sums per-thread
-# partials, so its last bits depend on the thread count (docs/reliability.md, "Bitwise needs equal threads").
-INSIDER_RUN += ["inner.optimizer=adamw", "inner.lr=3e-3", "train.threads=1"]
+INSIDER_RUN += ["inner.optimizer=adamw", "inner.lr=3e-3"]
 
 
 def swarm_val_loss(tmp_path: Path, TINY: list[str], aggregate: str) -> float:
