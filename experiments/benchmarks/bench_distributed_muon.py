@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from muloco.net.launch import free_port  # noqa: E402
 from muloco.optim import DistributedMuon, Muon  # noqa: E402
-from muloco.optim.newton_schulz import default_ns_dtype  # noqa: E402
+from muloco.optim.orthogonalize import default_ns_dtype  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "distributed_muon.json"
 D512_L6 = [(512, 512)] * 4 * 6 + [(2048, 512), (512, 2048)] * 6  # q, k, v, o, fc, proj of 6 blocks

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from muloco.config import ModelConfig  # noqa: E402
 from muloco.models import ParamRole, build_model, param_roles  # noqa: E402
 from muloco.optim import Muon, newton_schulz  # noqa: E402
-from muloco.optim.newton_schulz import GRAM_BLOCK, KELLER, default_ns_dtype, uses_gram  # noqa: E402
+from muloco.optim.orthogonalize import GRAM_BLOCK, KELLER, default_ns_dtype, uses_gram  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_muon.json"
 

@@ -1,6 +1,6 @@
 """Inner optimizers: Muon and its Newton-Schulz maths, parameter routing, the factory the trainer calls.
 
-    newton_schulz.py  pure functions: coefficient sets (keller, muloco, polar_express), normalization,
+    orthogonalize.py  pure functions: coefficient sets (keller, muloco, polar_express), normalization,
                       the standard and Gram Newton-Schulz iterations, the CPU/GPU dtype choice
     muon.py           `muon_update` and `adjusted_lr` (pure), and the thin `Muon` optimizer class
     distributed_muon.py
@@ -29,14 +29,14 @@ if TYPE_CHECKING:
     from muloco.optim.distributed_muon import DistributedMuon, assign_owners
     from muloco.optim.factory import InnerOptimizer, build_inner_optimizer
     from muloco.optim.muon import Muon, adjusted_lr, muon_update
-    from muloco.optim.newton_schulz import COEFFICIENT_SETS, newton_schulz
+    from muloco.optim.orthogonalize import COEFFICIENT_SETS, newton_schulz
     from muloco.optim.routing import muon_param_groups, routing_table
     from muloco.optim.sharded_muon import ShardedMuon
 
 # Public name -> the module that defines it. ShardedMuon imports DTensor (~0.7 s of CPU): only where a
 # sharded worker asks for it.
 _EXPORTS = {
-    "COEFFICIENT_SETS": "newton_schulz",
+    "COEFFICIENT_SETS": "orthogonalize",
     "DistributedMuon": "distributed_muon",
     "InnerOptimizer": "factory",
     "Muon": "muon",
@@ -47,7 +47,7 @@ _EXPORTS = {
     "check_inner_optimizer": "check",
     "muon_param_groups": "routing",
     "muon_update": "muon",
-    "newton_schulz": "newton_schulz",
+    "newton_schulz": "orthogonalize",
     "routing_table": "routing",
 }
 

@@ -39,7 +39,7 @@ from torch import Tensor
 
 # Muon's own bucketing, so an owner's stacks are Muon's stacks restricted to its matrices.
 from muloco.optim.muon import AdjustLR, Muon, _buckets, adjusted_lr, matrix_shape, muon_update, oriented
-from muloco.optim.newton_schulz import (
+from muloco.optim.orthogonalize import (
     GRAM_BLOCK,
     Coefficients,
     CoefficientsLike,

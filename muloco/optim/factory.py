@@ -33,7 +33,7 @@ from muloco.models.roles import param_roles, transposed_weights
 from muloco.optim.catalogue import optimizer_class
 from muloco.optim.distributed_muon import DistributedMuon
 from muloco.optim.muon import Muon
-from muloco.optim.newton_schulz import KELLER, resolve_coefficients
+from muloco.optim.orthogonalize import KELLER, resolve_coefficients
 from muloco.optim.routing import Named, format_routing, muon_param_groups
 from muloco.sharding import local
 

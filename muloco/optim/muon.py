@@ -1,12 +1,12 @@
 """Muon: momentum, then Newton-Schulz orthogonalization, for hidden weight matrices.
 
-The maths is in pure functions (`muon_update`, `adjusted_lr`, and `newton_schulz.py`); `Muon` only
+The maths is in pure functions (`muon_update`, `adjusted_lr`, and `orthogonalize.py`); `Muon` only
 holds the momentum buffers and walks its parameter groups. Per step, for a weight W (rows=fan_out,
 cols=fan_in; a conv weight is flattened to (out, in*kh*kw)):
 
     B <- momentum B + (1 - momentum) g                    # EMA, `buf.lerp_(g, 1 - momentum)`
     U  = g + momentum (B - g)  if nesterov else B         # `g.lerp(B, momentum)`, as torch.optim.Muon
-    O  = NS(U / (||U||_F + eps))                          # newton_schulz.py, bf16 where that is fast
+    O  = NS(U / (||U||_F + eps))                          # orthogonalize.py, bf16 where that is fast
     W <- (1 - lr wd) W - adjusted_lr(lr, W.shape) O       # decoupled weight decay with the plain lr
 
 Muon is for hidden matrices only (Keller Jordan): embeddings, the head, norms and biases belong on
@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from muloco.optim.newton_schulz import (
+from muloco.optim.orthogonalize import (
     EPS,
     Coefficients,
     CoefficientsLike,

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from muloco.optim.distributed_muon import balance, ns_flops
 from muloco.optim.muon import Muon, _buckets, adjusted_lr, oriented, stack_normalized
-from muloco.optim.newton_schulz import (
+from muloco.optim.orthogonalize import (
     EPS,
     default_ns_dtype,
     ns_iterate,

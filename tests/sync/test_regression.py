@@ -44,7 +44,7 @@ from test_helpers import run_muloco  # noqa: E402
 
 from muloco.checkpoint.plain import list_checkpoints, load_checkpoint  # noqa: E402
 from muloco.config import load_config  # noqa: E402
-from muloco.optim.newton_schulz import default_ns_dtype  # noqa: E402
+from muloco.optim.orthogonalize import default_ns_dtype  # noqa: E402
 from muloco.run.trainer import Trainer  # noqa: E402
 
 STAT4_EF = ["compression.scheme=statistical", "compression.bits=4", "compression.error_feedback=true"]

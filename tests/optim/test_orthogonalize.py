@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muloco.optim.newton_schulz import (
+from muloco.optim.orthogonalize import (
     COEFFICIENT_SETS,
     KELLER,
     MULOCO,
@@ -19,7 +19,7 @@ from muloco.optim.newton_schulz import (
 
 # After 5 steps, for singular values of the normalized input in [0.01, 1]: the min and max of the scalar
 # composition p5(...p1(x)) on that interval (scanned on a 2e5-point grid, the docstring of
-# newton_schulz.py). keller stays in an oscillating band by design; muloco and polar_express are tighter.
+# orthogonalize.py). keller stays in an oscillating band by design; muloco and polar_express are tighter.
 BANDS = {"keller": (0.6818, 1.1344), "muloco": (0.9778, 1.0318), "polar_express": (0.8589, 1.1411)}
 
 
