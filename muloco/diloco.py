@@ -134,8 +134,9 @@ class DiLoCo:
                 progress=self.progress,
                 ledger=self.ledger,
             )
-        except UserError as exc:  # more fragments than the model has blocks; reduce_scatter on a swarm
-            argument = f"fragments={fragments}" if "fragment" in str(exc) else f"transport={transport!r}"
+        except UserError as exc:  # more fragments than blocks; reduce_scatter or a whole window on a swarm
+            named = {"overlap": f"overlap={overlap}", "fragment": f"fragments={fragments}"}
+            argument = next((a for key, a in named.items() if key in str(exc)), f"transport={transport!r}")
             raise ValueError(f"DiLoCo({argument}): {exc}") from None
         self.last_update_norm: float | None = None
         self.records: list[SyncRecord] = []  # the syncs applied by the latest step() or sync()
@@ -188,8 +189,9 @@ class DiLoCo:
 
     @torch.no_grad()
     def sync(self) -> float | None:
-        """Sync now: apply every sync in flight, then sync every fragment at once (tau = 0). Every process
-        must call it at the same point. Returns the norm of the last outer update."""
+        """Sync now: every fragment synced at once (tau = 0) and every sync in flight applied (a
+        fragment's after its new one starts, so no inner step is lost). Every process must call it at the
+        same point. Returns the norm of the last outer update."""
         self._join()
         step = self.progress.steps
         self.records = self.engine.round(step, [self.replica], before_start=self._check_losses, now=True)

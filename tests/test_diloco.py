@@ -76,8 +76,9 @@ def user_loop(cfg, data, steps, diloco_kwargs=None, state=None):
         ["inner.optimizer=muon"],
         ["inner.optimizer=muon", *STAT4_EF, *STREAMING],
         ["inner.optimizer=muon", *STAT4_EF, "sync.transport=reduce_scatter"],
+        ["inner.optimizer=muon", *STAT4_EF, "sync.overlap=3"],
     ],
-    ids=["plain", "streaming-stat4-ef", "stat4-ef-reduce-scatter"],
+    ids=["plain", "streaming-stat4-ef", "stat4-ef-reduce-scatter", "whole-window-stat4-ef"],
 )
 def test_diloco_equals_muloco_train_bit_for_bit(tiny, extra):
     cfg = load_config(None, [*tiny, "workers=1", "sync.every=3", *extra])
@@ -173,6 +174,10 @@ def test_a_forced_sync_applies_everything_in_flight():
                 "compression": STAT,
             },
             "DiLoCo\\(transport='reduce_scatter'\\): .* needs backend.kind local or torch",
+        ),
+        (
+            {"sync_every": 4, "overlap": 4, "backend": HivemindBackendConfig()},
+            "DiLoCo\\(overlap=4\\): sync.overlap=4 \\(a whole window\\)",
         ),
         (
             {"sync_every": 4, "fragments": 2},

@@ -93,7 +93,7 @@ BAD_INPUTS = [
     ("fragments > H", ["train", "{QS}", "{RUN}", "sync.fragments=4"], {}, "sync.fragments"),
     (
         "overlap too long",
-        ["train", "{QS}", "{RUN}", "sync.every=6", "sync.fragments=2", "sync.overlap=3"],
+        ["train", "{QS}", "{RUN}", "sync.every=6", "sync.fragments=2", "sync.overlap=4"],
         {},
         "sync.overlap",
     ),

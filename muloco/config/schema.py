@@ -150,6 +150,14 @@ class Config(Section):
                 "hivemind swarm's groups change every sync, so its peers all-gather (docs/backends.md): set "
                 "sync.transport=auto or all_gather"
             )
+        if self.sync.overlap >= self.sync.every and self.backend.kind in ("torchft", "hivemind"):
+            # Their heal and catch-up hand over the state between syncs, and with a whole window
+            # overlapped a sync is always in flight (docs/streaming.md).
+            raise ValueError(
+                f"sync.overlap={self.sync.overlap} (a whole window, H = {self.sync.every}) keeps a sync in "
+                f"flight at every sync, which backend.kind={self.backend.kind}'s heal and catch-up do not "
+                f"carry yet; use backend.kind local or torch, or sync.overlap < {self.sync.every}"
+            )
         if self.method == "dp" and self.sync.streaming:
             raise ValueError(
                 "sync.fragments/overlap/alpha (Streaming DiLoCo) apply to method: diloco; with method: dp "

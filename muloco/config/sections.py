@@ -206,8 +206,9 @@ class SyncConfig(Section):
     overlap: int = Field(
         0,
         ge=0,
-        description="Streaming tau: a fragment's sync started at step t is applied at t + tau while the "
-        "inner steps go on (tau x P < H).",
+        description="tau: a fragment's sync started at step t is applied at t + tau while the inner "
+        "steps go on; at most H / P (one fragment: a whole window, tau = H: the sync started after round r "
+        "is applied after round r + 1's inner steps, the naive delayed update of Kale et al. 2025).",
     )
     alpha: float = Field(
         0.0,
@@ -266,10 +267,12 @@ class SyncConfig(Section):
                 f"sync.fragments ({P}) exceeds sync.every ({H}): each fragment needs its own step; "
                 f"use sync.fragments <= {H}"
             )
-        if self.overlap * P >= H:
+        if self.overlap > H // P:
+            # A fragment's sync is applied at the latest when the next fragment's starts (with one fragment:
+            # when its own next one starts, a whole window later): at most two syncs in flight, in order.
             raise ValueError(
-                f"sync.overlap ({self.overlap}) must be below sync.every / sync.fragments ({H}/{P}) so a "
-                f"sync is applied before the next fragment's starts; use sync.overlap <= {(H - 1) // P}"
+                f"sync.overlap ({self.overlap}) must be at most sync.every / sync.fragments ({H}/{P}) so a "
+                f"sync is applied by the time the next fragment's starts; use sync.overlap <= {H // P}"
             )
         for field in ("embedding_fragment", "head_fragment"):
             value = getattr(self, field)

@@ -4,7 +4,8 @@ al. 2023, Algorithm 1; Streaming DiLoCo, arXiv:2501.18512). `muloco train` (run/
 protocol it runs:
 
     round(step, replicas)      the sync event after inner step `step`:
-      1. apply the syncs in flight that are due (at the run's last step: all of them)
+      1. apply the syncs in flight that are due (at the run's last step: all of them); one whose
+         fragment starts again now (tau = H) right after that fragment's new sync starts
       2. start the fragments scheduled now (at the last step: every one with unsynced steps), each
          applied at once when tau = 0, and follow a torchft quorum that moved this worker
     start(p, replicas, step)   pseudogradients delta_k = theta_global - theta_k of fragment p (the guard
@@ -39,12 +40,12 @@ from muloco.sharding import local
 from muloco.sync.counters import CommLedger, Progress, WanProjection
 from muloco.sync.engine_state import engine_state, load_engine_state
 from muloco.sync.fragments import Fragment, SyncSchedule, fragment_indices
-from muloco.sync.gather import Gathered, global_norm
-from muloco.sync.guard import BadSyncGuard, usable
+from muloco.sync.gather import Gathered, gather, global_norm
+from muloco.sync.guard import BadSyncGuard
 from muloco.sync.inflight import InFlightSync, SumCount, SyncRecord
 from muloco.sync.messages import owner_feedback, plan_messages
 from muloco.sync.outer import OuterOptimizer
-from muloco.sync.reduce import Contribution, Mean, PendingMean, Reducer
+from muloco.sync.reduce import Contribution, Mean, PendingMean, Reducer, check_whole_window
 
 log = logging.getLogger("muloco")
 
@@ -81,6 +82,7 @@ class SyncEngine:
             groups = fragment_indices(self.outer.names, sync)
         except ValueError as exc:
             raise UserError(str(exc)) from None
+        check_whole_window(reducer, sync)
         shapes = [[self.outer.params[i].shape for i in group] for group in groups]
         link = wan.link if wan is not None else None
         plan = plan_messages(model, groups, shapes, compression, sync, reducer, link, shard_group is not None)
@@ -132,26 +134,33 @@ class SyncEngine:
         records of the syncs it applied, in order. Every process calls it at the same steps (the syncs are
         collectives). round_loss(): the train losses to report with the next sync started (the caller's,
         taken once per start); before_start(): called once before the first start (the Python API reads
-        its losses' health there); now: sync now (DiLoCo.sync), every sync in flight applied and then every
-        fragment synced at once (tau = 0)."""
+        its losses' health there); now: sync now (DiLoCo.sync), every fragment synced at once (tau = 0) and
+        every sync in flight applied."""
         self.progress.steps = step
         for fragment in self.fragments:
             fragment.unsynced = True  # the replicas took inner steps that no started sync covers yet
         final = now or self._is_last(step)
         records = []
-
-        # 1. Syncs in flight that are due are applied first (at the end: all of them).
-        for sync in [s for s in self.in_flight if final or s.apply_step <= step]:
-            records.append(self.finish(sync, replicas))
-
-        # 2. The fragments scheduled now start theirs (at the run's last step: every fragment with unsynced
-        #    steps; now: every fragment); a sync due at once (tau = 0) is applied at once.
         if now:
             starting = list(range(len(self.fragments)))
         elif final:
             starting = [f.index for f in self.fragments if f.unsynced]
         else:
             starting = self.schedule.starting_at(step)
+        due = [s for s in self.in_flight if final or s.apply_step <= step]
+        # A due sync of a fragment that starts again now (a whole window overlapped, tau = H; the run's
+        # end) is applied right after the new one starts: the new pseudogradient is taken against the
+        # global parameters the replicas' window started from, and the merge after the outer step does
+        # not discard the window's steps (the naive delayed update: Kale et al. 2025, arXiv 2502.12996).
+        after_start = {s.fragment: s for s in due if s.fragment in starting}
+
+        # 1. Syncs in flight that are due are applied first (at the end: all of them).
+        for sync in due:
+            if sync.fragment not in after_start:
+                records.append(self.finish(sync, replicas))
+
+        # 2. The fragments scheduled now start theirs (at the run's last step: every fragment with unsynced
+        #    steps; now: every fragment); a sync due at once (tau = 0) is applied at once.
         if starting and before_start is not None:
             before_start()
         contributing = replicas
@@ -160,6 +169,12 @@ class SyncEngine:
             at = self.progress.steps  # a moved sync (below) set it to the quorum's
             loss = round_loss() if round_loss is not None else SumCount()
             sync = self.start(fragment, contributing, at, loss, delay=0 if now else None)
+            if fragment in after_start:
+                records.append(self.finish(after_start.pop(fragment), replicas))
+            elif self.schedule.overlap >= self.schedule.every and sync.apply_step > self.progress.steps:
+                # A whole window's first sync: no mean has arrived to apply, and the replicas restart from
+                # the global parameters all the same (the delayed update's first, empty outer step).
+                self._merge(self.fragments[fragment], contributing)
             if sync.apply_step <= self.progress.steps:
                 records.append(self.finish(sync, replicas))
             # 3. torchft: this worker adopted its quorum's state and step, and joined the quorum's sync
@@ -170,6 +185,8 @@ class SyncEngine:
                 last = now or self._is_last(at)
                 starting = list(range(sync.fragment + 1, len(self.fragments))) if last else []
                 contributing = []
+        for sync in after_start.values():  # a moved plan left its fragment out: applied all the same
+            records.append(self.finish(sync, replicas))
         return records
 
     def next_event(self, step: int) -> int:
@@ -195,7 +212,7 @@ class SyncEngine:
         part = self.fragments[fragment]
         delay = self.delay(step) if delay is None else delay
         with record_function("muloco::pseudogradients"):
-            gathered = self._gather(part, replicas, step)
+            gathered = gather(part, replicas, step, self)
         part.unsynced = False
         with record_function("muloco::reduce"):
             pending = self._start_mean(part, gathered, step, step + delay, absent=not replicas)
@@ -218,29 +235,6 @@ class SyncEngine:
         sync = InFlightSync(part.index, step, step + delay, pending, loss or SumCount(), norm, fields)
         self.in_flight.append(sync)
         return sync
-
-    def _gather(self, part: Fragment, replicas: list, step: int) -> Gathered:
-        """Each replica's pseudogradient of the fragment. Uncompressed: summed over this process's
-        replicas. Compressed: each replica encodes its own message, exactly what a node would send."""
-        gathered = Gathered(part.params, compressed=part.codec is not None, with_cosine=len(replicas) > 1)
-        for position, replica in enumerate(replicas):
-            replica.activate()
-            delta = replica.pseudogradient(self.outer.params, part.indices)
-            norm = global_norm(delta)
-            if self.shard_group is not None:  # every rank of the worker judges the replica alike
-                sq, unhealthy = self.worker_sum(norm**2, float(not replica.healthy))
-                norm, replica.healthy = math.sqrt(sq), unhealthy == 0
-            if not usable(replica, norm):
-                self._reset(position, replica, step, norm)
-                continue
-            gathered.add(delta, norm)
-            if part.codec is not None:
-                gathered.messages.append(part.codec.encode(delta, self.error_feedback[position]))
-            if self.observer is not None:
-                self.observer.observe(delta)
-            del delta
-            replica.deactivate()
-        return gathered
 
     def _start_mean(
         self, part: Fragment, gathered: Gathered, step: int, apply_step: int, absent: bool
@@ -279,21 +273,6 @@ class SyncEngine:
             K = self.reducer.workers or 1
             self.wan.project(sync_seconds(self.wan.link, payload, K, self.transport), delay)
         return payload, int(numel)
-
-    def _reset(self, position: int, replica, step: int, norm: float) -> None:
-        """Left out of this sync (the mean is over the healthy replicas) and restarted from the global
-        parameters with a fresh inner state and error-feedback buffer (they may hold the NaN)."""
-        log.warning(
-            "replica=%d step=%d: non-finite loss or pseudogradient (norm %s): left out of this sync and "
-            "reset to the global parameters",
-            replica.index,
-            step,
-            norm,
-        )
-        replica.reset_to(self.outer.params)
-        if self.error_feedback[position] is not None:
-            self.error_feedback[position].reset()
-        replica.deactivate()
 
     @torch.no_grad()
     def finish(self, sync: InFlightSync, replicas: list) -> SyncRecord:
@@ -336,7 +315,14 @@ class SyncEngine:
             (sent,) = self.worker_sum(mean.bytes_sent)
             self.ledger.count(sent, mean.bytes_sent)
 
-        # Merge: local <- alpha local + (1 - alpha) global (alpha = 0: restart from the global ones).
+        self._merge(part, replicas)
+        record = self._record(sync, mean, update_norm, left_out)
+        self.reducer.after_sync(self, mean, replicas)
+        return record
+
+    def _merge(self, part: Fragment, replicas: list) -> None:
+        """local <- alpha local + (1 - alpha) global on the fragment (alpha = 0: restart from the global
+        parameters)."""
         for replica in replicas:
             if part.whole and self.alpha == 0.0:
                 replica.load_global(self.outer.params)
@@ -346,10 +332,6 @@ class SyncEngine:
             part.unsynced = True  # the replicas keep part of their own drift
         if self.observer is not None:
             self.observer.restart_from(self.outer.params)
-
-        record = self._record(sync, mean, update_norm, left_out)
-        self.reducer.after_sync(self, mean, replicas)
-        return record
 
     def _judge(self, mean: Mean) -> tuple[bool, int]:
         """Whether the mean is finite, and how many replicas were left out. No mean at all (a swarm peer
@@ -374,21 +356,8 @@ class SyncEngine:
         return total.tolist()
 
     def _record(self, sync: InFlightSync, mean: Mean, update_norm: float | None, left_out: int) -> SyncRecord:
-        reported = dict(sync.fields)
-        fields = {
-            "pseudograd_cosine": reported.pop("pseudograd_cosine", None),
-            "outer_update_norm": update_norm,
-            "outer_step": self.progress.outer_steps,
-            "replicas_left_out": left_out,
-            **({"contributions_excluded": mean.excluded} if mean.excluded else {}),
-            "payload_bytes": reported.pop("payload_bytes", None),
-            "bits_per_param": reported.pop("bits_per_param", None),
-            **reported,  # the alignment statistics (diagnostics.alignment)
-            **({"fragment": sync.fragment, "started_step": sync.started_step} if self.streaming else {}),
-            **mean.details,
-        }
-        where = (sync.fragment, sync.started_step, self.progress.steps, self.progress.outer_steps)
-        return SyncRecord(*where, fields, sync.loss, sync.norm)
+        applied = (self.progress.steps, self.progress.outer_steps, update_norm, left_out)
+        return sync.record(mean, *applied, streaming=self.streaming)
 
     # -- joining and leaving the run, shared state (a swarm joiner's catch-up) ------------------------
     def join(self, replicas: list, resumed: bool) -> None:

@@ -1,12 +1,19 @@
 """This process's part of one fragment's sync, as the engine gathers it from its replicas: the healthy
 replicas' pseudogradients summed (fp32) or encoded one message each (compressed), their norms, and the sum
-of their unit vectors, which gives the mean pairwise cosine."""
+of their unit vectors, which gives the mean pairwise cosine. A replica whose loss or pseudogradient is not
+finite sits the sync out and restarts from the global parameters (guard.py)."""
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+from muloco.sync.guard import usable
+
+log = logging.getLogger("muloco")
 
 
 def global_norm(tensors: list[torch.Tensor]) -> float:
@@ -60,3 +67,45 @@ class Gathered:
         if self.unit_sum is None or n < 2:
             return None
         return (global_norm(self.unit_sum) ** 2 - n) / (n * (n - 1))
+
+
+def gather(part, replicas: list, step: int, engine) -> Gathered:
+    """Each replica's pseudogradient delta_k = theta_global - theta_k of fragment `part` (fragments.py).
+    Uncompressed: summed over this process's replicas. Compressed: each replica encodes its own message
+    with its own error feedback, exactly what a node would send. `engine`: the global parameters, the
+    error-feedback buffers, the worker's ranks (sharded) and the diagnostics observer."""
+    gathered = Gathered(part.params, compressed=part.codec is not None, with_cosine=len(replicas) > 1)
+    for position, replica in enumerate(replicas):
+        replica.activate()
+        delta = replica.pseudogradient(engine.outer.params, part.indices)
+        norm = global_norm(delta)
+        if engine.shard_group is not None:  # every rank of the worker judges the replica alike
+            sq, unhealthy = engine.worker_sum(norm**2, float(not replica.healthy))
+            norm, replica.healthy = math.sqrt(sq), unhealthy == 0
+        if not usable(replica, norm):
+            _reset(replica, engine.outer.params, engine.error_feedback[position], step, norm)
+            continue
+        gathered.add(delta, norm)
+        if part.codec is not None:
+            gathered.messages.append(part.codec.encode(delta, engine.error_feedback[position]))
+        if engine.observer is not None:
+            engine.observer.observe(delta)
+        del delta
+        replica.deactivate()
+    return gathered
+
+
+def _reset(replica, global_params: list[torch.Tensor], feedback, step: int, norm: float) -> None:
+    """Left out of this sync (the mean is over the healthy replicas) and restarted from the global
+    parameters with a fresh inner state and error-feedback buffer (they may hold the NaN)."""
+    log.warning(
+        "replica=%d step=%d: non-finite loss or pseudogradient (norm %s): left out of this sync and "
+        "reset to the global parameters",
+        replica.index,
+        step,
+        norm,
+    )
+    replica.reset_to(global_params)
+    if feedback is not None:
+        feedback.reset()
+    replica.deactivate()

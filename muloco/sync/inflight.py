@@ -42,6 +42,31 @@ class InFlightSync:
             "fields": self.fields,
         }
 
+    def record(
+        self,
+        mean: Mean,
+        step: int,
+        outer_step: int,
+        update_norm: float | None,
+        left_out: int,
+        streaming: bool,
+    ) -> SyncRecord:
+        """What the sync's application reports: applied at inner step `step` as outer step `outer_step`."""
+        reported = dict(self.fields)
+        fields = {
+            "pseudograd_cosine": reported.pop("pseudograd_cosine", None),
+            "outer_update_norm": update_norm,
+            "outer_step": outer_step,
+            "replicas_left_out": left_out,
+            **({"contributions_excluded": mean.excluded} if mean.excluded else {}),
+            "payload_bytes": reported.pop("payload_bytes", None),
+            "bits_per_param": reported.pop("bits_per_param", None),
+            **reported,  # the alignment statistics (diagnostics.alignment)
+            **({"fragment": self.fragment, "started_step": self.started_step} if streaming else {}),
+            **mean.details,
+        }
+        return SyncRecord(self.fragment, self.started_step, step, outer_step, fields, self.loss, self.norm)
+
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> InFlightSync:
         result = PendingMean.completed(Mean(**state["mean"]))

@@ -132,6 +132,9 @@ class Reducer(Protocol):
     workers: int | None  # K when fixed (collectives); None for a swarm, whose groups come and go
     # The compressed transports it can carry; sync.transport=auto picks only among these (transport.py).
     transports: tuple[str, ...]
+    # Whether it carries a whole window overlapped (sync.overlap = H: a sync in flight at every start). A
+    # swarm's catch-up and torchft's heal hand the state over between syncs, which such a run never has.
+    whole_window: bool
 
     def local_replicas(self, workers: int) -> list[int]:
         """The global indices of the replicas this process hosts."""
@@ -160,6 +163,16 @@ class Reducer(Protocol):
     def close(self) -> None: ...
 
 
+def check_whole_window(reducer: Reducer, sync) -> None:
+    """A whole window overlapped (sync.overlap = H) only on a reducer that carries it (`whole_window`; one
+    that does not declare it, a user's own through the Python API, is taken to)."""
+    if sync.overlap >= sync.every and not getattr(reducer, "whole_window", True):
+        raise UserError(
+            f"sync.overlap={sync.overlap} (a whole window) keeps a sync in flight at every sync, which this "
+            f"backend's state hand-over does not carry yet; use sync.overlap < {sync.every}"
+        )
+
+
 class CollectiveReducer:
     """The mean over all K replicas with collectives: an all-reduce of fp32 sums, or an all-gather of
     compressed messages that every process decodes in replica order (so all processes, and the
@@ -168,6 +181,7 @@ class CollectiveReducer:
     workers have no lead: every rank averages its rows with the same rank of the other workers."""
 
     transports = ALL_TRANSPORTS
+    whole_window = True
 
     def __init__(self, topology: Topology, workers: int) -> None:
         self.topology, self.workers = topology, workers

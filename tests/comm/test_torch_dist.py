@@ -62,17 +62,24 @@ SIMULATION_CASES = {
 }
 
 
+WHOLE_WINDOW = ["sync.fragments=1", "sync.overlap=4", "sync.alpha=0"]
 STREAMING_CASES = {
     "streaming-adamw-fp32": (["inner.optimizer=adamw"], 1e-6),
     "streaming-muon-statistical4-ef": (["inner.ns_dtype=fp32", *STAT4_EF], 0.0),
     "streaming-muon-statistical4-ef-reduce-scatter": (["inner.ns_dtype=fp32", *STAT4_EF_RS], 0.0),
+    # A whole window overlapped (tau = H): two syncs in flight at each start, their collectives in order.
+    "whole-window-muon-statistical4-ef": (["inner.ns_dtype=fp32", *STAT4_EF, *WHOLE_WINDOW], 0.0),
+    "whole-window-muon-statistical4-ef-reduce-scatter": (
+        ["inner.ns_dtype=fp32", *STAT4_EF_RS, *WHOLE_WINDOW],
+        0.0,
+    ),
 }
 
 
 def streaming_common(output_dir: Path, extra: list[str]) -> list[str]:
     K2 = ["workers=2", "train.batch_tokens=512", "train.total_tokens=7168"]
     streaming = ["sync.every=4", "sync.fragments=2", "sync.overlap=1", "sync.alpha=0.5"]
-    return [*TINY, *extra, *K2, *streaming, f"run.output_dir={output_dir}"]
+    return [*TINY, *K2, *streaming, *extra, f"run.output_dir={output_dir}"]
 
 
 def simulation_common(output_dir: Path, extra: list[str]) -> list[str]:

@@ -59,7 +59,7 @@ def test_schedule_for_p3_h30_is_the_documented_one():
     "override, message",
     [
         ("sync.fragments=31", "sync.fragments (31) exceeds sync.every (30)"),
-        ("sync.overlap=10", "sync.overlap (10) must be below sync.every / sync.fragments"),
+        ("sync.overlap=11", "sync.overlap (11) must be at most sync.every / sync.fragments (30/3)"),
         ("sync.embedding_fragment=3", "sync.embedding_fragment (3) must be in"),
     ],
 )

@@ -44,18 +44,12 @@ def reference_streaming(cfg, data, fragments):
     local_p <- alpha local_p + (1 - alpha) global_p. At the last step in-flight syncs apply and every
     fragment with unsynced steps syncs once more."""
     K, H, tau, alpha = cfg.workers, cfg.sync.every, cfg.sync.overlap, cfg.sync.alpha
-    T, t = cfg.total_steps, cfg.train
-    torch.manual_seed(cfg.run.seed)
-    template = build_model(cfg.model, 256)
+    T = cfg.total_steps
+    template, replicas = _reference_replicas(cfg, data)
     names = [n for n, _ in template.named_parameters()]
     owner = [_fragment_of(n) if fragments == 3 else 0 for n in names]
     glob = [p.detach().clone() for p in template.parameters()]
     bufs = [torch.zeros_like(p) for p in glob]
-    replicas = []
-    for r in range(K):
-        model = copy.deepcopy(template)
-        stream = ReplicaStream(data.train, cfg.model.seq_len, r, K, cfg.run.seed)
-        replicas.append((model, build_inner_optimizer(model, cfg.inner), stream))
     in_flight, dirty = [], [False] * fragments
     applied_at = []
 
@@ -73,13 +67,7 @@ def reference_streaming(cfg, data, fragments):
         applied_at.append((frag, step))
 
     for s in range(1, T + 1):
-        for model, opt, stream in replicas:
-            set_lr_multiplier(opt, lr_multiplier(s - 1, T, t.warmup_steps, t.lr_schedule, t.min_lr_ratio))
-            x, y = stream.next_batch(cfg.worker_batch_tokens // cfg.model.seq_len)
-            model(x, y).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        _inner_step(cfg, replicas, s)
         dirty = [True] * fragments
         last = s == T
         for item in [f for f in in_flight if last or f[0] <= s]:
@@ -105,7 +93,87 @@ def reference_streaming(cfg, data, fragments):
     return glob, applied_at
 
 
+def _reference_replicas(cfg, data):
+    """The seeded model and K replicas of it, each with its inner optimizer and its own data stream."""
+    torch.manual_seed(cfg.run.seed)
+    template = build_model(cfg.model, 256)
+    replicas = []
+    for r in range(cfg.workers):
+        model = copy.deepcopy(template)
+        stream = ReplicaStream(data.train, cfg.model.seq_len, r, cfg.workers, cfg.run.seed)
+        replicas.append((model, build_inner_optimizer(model, cfg.inner), stream))
+    return template, replicas
+
+
+def _inner_step(cfg, replicas, s):
+    """Inner step s on every replica (the run's lr schedule, gradient clipping)."""
+    T, t = cfg.total_steps, cfg.train
+    for model, opt, stream in replicas:
+        set_lr_multiplier(opt, lr_multiplier(s - 1, T, t.warmup_steps, t.lr_schedule, t.min_lr_ratio))
+        x, y = stream.next_batch(cfg.worker_batch_tokens // cfg.model.seq_len)
+        model(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def reference_delayed(cfg, data):
+    """A whole window overlapped (tau = H, one fragment): the naive delayed update of Kale, Douillard and
+    Donchev 2025 ("Eager updates for overlapped communication and computation in DiLoCo", arXiv
+    2502.12996, Algorithm 2), written out: at the end of window k every replica's outer gradient
+    Delta_k = theta - theta_k (theta: the global parameters the window started from) is sent, the mean of
+    window k - 1's (arrived meanwhile; none after the first window) drives the outer Nesterov step, and
+    every replica starts window k + 1 from the new theta. At the run's last step nothing is left in
+    flight: the mean of window k - 1, then window k's, are applied."""
+    H, T = cfg.sync.every, cfg.total_steps
+    template, replicas = _reference_replicas(cfg, data)
+    theta = [p.detach().clone() for p in template.parameters()]
+    outer = torch.optim.SGD(theta, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True)
+
+    def outer_step(mean):  # torch's SGD with Nesterov momentum: the outer step no one here wrote
+        for p, g in zip(theta, mean, strict=True):
+            p.grad = g
+        outer.step()
+
+    arrived, applied_at = None, []
+    for s in range(1, T + 1):
+        _inner_step(cfg, replicas, s)
+        if s % H != 0 and s != T:
+            continue
+        deltas = [
+            [g - p.detach() for g, p in zip(theta, m.parameters(), strict=True)] for m, _, _ in replicas
+        ]
+        mean = [sum(d) / cfg.workers for d in zip(*deltas, strict=True)]
+        if arrived is not None:
+            outer_step(arrived)
+            applied_at.append(s)
+        arrived = mean
+        if s == T:
+            outer_step(arrived)
+            applied_at.append(s)
+        for model, _, _ in replicas:
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), theta, strict=True):
+                    p.copy_(g)
+    return theta, applied_at
+
+
 STREAMING = ["workers=2", "train.batch_tokens=512", "inner.optimizer=adamw", "model.n_layers=3"]
+
+
+@pytest.mark.parametrize("steps", [12, 14])  # the last window whole, or a tail of 2 steps
+def test_a_whole_window_overlapped_equals_the_naive_delayed_update(tiny, steps):
+    """tau = H: the sync started after window k is applied after window k + 1's inner steps."""
+    overrides = ["sync.every=4", "sync.overlap=4", f"train.total_tokens={512 * steps}"]
+    cfg = load_config(None, [*tiny, *STREAMING, *overrides])
+    trainer = Trainer(cfg)
+    trainer.run()
+    expected, applied_at = reference_delayed(cfg, trainer.data)
+    for a, b in zip(expected, trainer.engine.outer.params, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # torch's SGD rounds its Nesterov step apart
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "sync"] == applied_at
+    assert [r["started_step"] for r in records if r["kind"] == "sync"][:2] == [4, 8]
 
 
 @pytest.mark.parametrize(
@@ -179,10 +247,17 @@ def test_fragments_cut_the_peak_bytes_per_sync(tiny):
     assert sum(payloads[2:]) == plain["payload_bytes_per_sync"]  # the fragments add up to the model
 
 
-def test_checkpoint_with_a_sync_in_flight_resumes_exactly(tiny, tmp_path):
-    """A stop right after a sync started (in flight for tau = 2 steps): the checkpoint drains the transfer
-    and stores the mean; the resumed run applies it at the same step and ends bit for bit identical."""
-    overrides = [*tiny, *STREAMING, "sync.every=6", "sync.fragments=3", "sync.overlap=1", "sync.alpha=0.5"]
+@pytest.mark.parametrize(
+    "sync, tau",
+    [
+        (["sync.every=6", "sync.fragments=3", "sync.overlap=1", "sync.alpha=0.5"], 1),
+        (["sync.every=4", "sync.overlap=4"], 4),  # a whole window: a sync is in flight at every checkpoint
+    ],
+)
+def test_checkpoint_with_a_sync_in_flight_resumes_exactly(tiny, tmp_path, sync, tau):
+    """A stop right after a sync started (in flight for tau steps): the checkpoint drains the transfer and
+    stores the mean; the resumed run applies it at the same step and ends bit for bit identical."""
+    overrides = [*tiny, *STREAMING, *sync]
     full = Trainer(load_config(None, [*overrides, "run.name=full"]))
     full.run()
 
@@ -198,7 +273,7 @@ def test_checkpoint_with_a_sync_in_flight_resumes_exactly(tiny, tmp_path):
     summary = interrupted.run()
     assert summary["status"] == "interrupted" and interrupted.progress.steps < interrupted.total_steps
     resumed = Trainer(load_config(None, [*overrides, "run.name=cut"]))
-    assert resumed.engine.in_flight and resumed.engine.in_flight[0].apply_step == resumed.progress.steps + 1
+    assert resumed.engine.in_flight and resumed.engine.in_flight[0].apply_step == resumed.progress.steps + tau
     assert resumed.run()["status"] == "completed"
     for a, b in zip(full.engine.outer.params, resumed.engine.outer.params, strict=True):
         assert torch.equal(a, b)
