@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--bandwidth-mbps", type=float, nargs="+", default=[100.0, 1000.0], help="link bandwidths (Mbit/s)"
     )
-    latency = "one-way latency (ms): a collective takes the longer of its bytes and its round trips"
+    latency = "one-way latency (ms): a round trip per gloo segment, a one-way delay per NCCL ring step"
     plan.add_argument("--latency-ms", type=float, default=0.0, help=latency)
     plan.add_argument("--step-time-s", type=float, help="one worker's inner-step compute time (s)")
     plan.add_argument(
@@ -60,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--tflops", type=float, default=100.0, help="sustained TFLOP/s, to estimate the step time"
+    )
+    plan.add_argument(
+        "--transport",
+        choices=["gloo", "nccl"],
+        help="whose collectives to model: gloo (CPU runs: a round trip per 1 MiB segment) or nccl (CUDA "
+        "runs, over TCP sockets: the link kept full). Default: what the run would use (the config's "
+        "backend.torch.dist_backend, else its device: cuda -> nccl); without a config, nccl when this "
+        "machine has CUDA, else gloo",
     )
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
     data = sub.add_parser("data", help="prepare token files for data.source: tokens")

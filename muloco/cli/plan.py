@@ -36,12 +36,14 @@ PLAN_DEFAULTS = {
 
 def plan_settings(args: argparse.Namespace) -> tuple[float, argparse.Namespace]:
     """The model size and settings to project: each flag as given, else the config's run (its model, K,
-    H, bits when it compresses, streaming P and tau, a worker's tokens per step), else the default."""
+    H, bits when it compresses, streaming P and tau, a worker's tokens per step, its collectives' library:
+    `plan_transport`), else the default."""
     from pathlib import Path
 
     from muloco.optim.check import load_run_config
 
     from_config: dict = {}
+    cfg = None
     params = plan_params(args.params) if args.params is not None else None
     if args.config is not None and "=" in args.config and not Path(args.config).exists():
         raise UserError(f"KEY=VALUE overrides ({args.config}) need a CONFIG before them")
@@ -62,7 +64,32 @@ def plan_settings(args: argparse.Namespace) -> tuple[float, argparse.Namespace]:
     for name, default in PLAN_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, from_config.get(name, default))
+    args.transport, args.transport_why = plan_transport(args.transport, cfg)
     return params or plan_params("150M"), args
+
+
+def plan_transport(flag: str | None, cfg) -> tuple[str, str]:
+    """The library whose collectives to model (gloo or nccl) and why: --transport, else what the config's
+    run would use (backend.torch.dist_backend, else its device), else what a run on this machine would
+    (muloco.comm.torch_dist: nccl when CUDA is present)."""
+    if flag is not None:
+        return flag, "--transport"
+    if cfg is not None:
+        kind = cfg.backend.kind
+        if kind == "torchft":
+            return "gloo", "backend.kind=torchft: its workers' process group is gloo"
+        if kind == "hivemind":
+            return "gloo", "backend.kind=hivemind: its own averaging, not modelled; gloo's is the nearer"
+        chosen = cfg.backend.torch.dist_backend
+        if chosen != "auto":
+            return chosen, f"the config's backend.torch.dist_backend={chosen}"
+        if cfg.device != "auto":
+            return ("nccl" if cfg.device == "cuda" else "gloo"), f"the config's device={cfg.device}"
+    import torch
+
+    if torch.cuda.is_available():
+        return "nccl", "CUDA on this machine"
+    return "gloo", "no CUDA on this machine; --transport nccl for a GPU deployment"
 
 
 def config_params(cfg) -> float:
@@ -86,7 +113,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from muloco.config.bits import QUANT_BITS, one_of
-    from muloco.net.wan import Link, estimate_step_seconds, format_plan, plan, plan_as_dict
+    from muloco.net.wan import (
+        BACKEND_MODELS,
+        Link,
+        bytes_in_flight,
+        estimate_step_seconds,
+        format_plan,
+        plan,
+        plan_as_dict,
+    )
 
     params, args = plan_settings(args)
     for name in ("workers", "sync_every", "fragments"):
@@ -107,11 +142,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for bandwidth in args.bandwidth_mbps:
         link = Link(bandwidth, args.latency_ms)
         rows = plan(
-            params, args.workers, args.sync_every, step, link, args.bits, args.fragments, args.overlap
+            params,
+            args.workers,
+            args.sync_every,
+            step,
+            link,
+            args.bits,
+            args.fragments,
+            args.overlap,
+            args.transport,
         )
-        results.append((bandwidth, rows))
+        results.append((link, rows))
     if args.json:
-        print(json.dumps([{"bandwidth_mbps": b, "rows": plan_as_dict(r)} for b, r in results], indent=2))
+        entries = [
+            {"bandwidth_mbps": link.bandwidth_mbps, "transport": args.transport, "rows": plan_as_dict(rows)}
+            for link, rows in results
+        ]
+        print(json.dumps(entries, indent=2))
         return 0
     if args.config is not None:
         print(f"the run of {' '.join([args.config, *args.overrides])}")
@@ -119,6 +166,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"params={params / 1e6:.1f}M workers={args.workers} H={args.sync_every} step_time={step:.3f}s "
         f"latency={args.latency_ms}ms (time per outer step = H inner steps)"
     )
-    for bandwidth, rows in results:
-        print(f"\nlink {bandwidth:g} Mbit/s\n{format_plan(rows)}")
+    print(f"transport: {args.transport} ({args.transport_why})\n  {BACKEND_MODELS[args.transport]}")
+    for link, rows in results:
+        full = ""
+        if args.transport == "nccl" and link.latency_ms > 0:
+            in_flight = bytes_in_flight(link) / 1e6
+            full = f" (full only with {in_flight:.1f} MB in flight per node: NCCL's sockets x TCP windows)"
+        print(f"\nlink {link.bandwidth_mbps:g} Mbit/s{full}\n{format_plan(rows)}")
     return 0

@@ -1,11 +1,15 @@
 """What communication would cost on a wide-area link, and the `muloco plan` projection.
 
-A link is a bandwidth (Mbit/s, each node's upload: the line rate) and a one-way latency. A collective's
-time on it is the longer of two: the bytes one node sends over the payload rate (the line rate less
-TCP/IP/Ethernet headers), and its round trips. gloo's ring sends a chunk only once its receiver has posted
-the buffer for it (the receiver's notice is one one-way trip, the data another), so every ring hop costs a
-round trip; it keeps two half-chunks in flight, so one half's bytes hide the other's round trip and a
-collective is either byte-bound or latency-bound, not both (gloo/allgather.cc, gloo/allreduce.cc):
+A link is a bandwidth (Mbit/s, each node's upload: the line rate) and a one-way latency. Two libraries run
+the collectives (`backend`, torch.distributed's name for them): gloo (CPU runs; every function's default,
+the model the WAN headline was measured against) and NCCL (CUDA runs), modelled below it.
+
+gloo. A collective's time on a link is the longer of two: the bytes one node sends over the payload rate
+(the line rate less TCP/IP/Ethernet headers), and its round trips. gloo's ring sends a chunk only once
+its receiver has posted the buffer for it (the receiver's notice is one one-way trip, the data another),
+so every ring hop costs a round trip; it keeps two half-chunks in flight, so one half's bytes hide the
+other's round trip and a collective is either byte-bound or latency-bound, not both (gloo/allgather.cc,
+gloo/allreduce.cc):
 
 - ring all-reduce of P bytes (fp32 pseudogradients, DDP gradients): 2 (K-1)/K P bytes (reduce-scatter then
   all-gather; Patarasuk & Yuan 2009); gloo splits it into segments of at most 1 MiB, at least 2K, two in
@@ -22,6 +26,29 @@ collective is either byte-bound or latency-bound, not both (gloo/allgather.cc, g
 Measured over the testbed (4 hosts, 20 ms one way; experiments/wan/probe_collectives.py, docs/wan.md): the
 all-reduce of pico's 739 KB took 310 ms at 350 Mbit/s (8 round trips: 320) and 1,344 ms at 6.89 Mbit/s
 (its bytes: 1,345); an all-gather of 37 KB messages 134 ms at 350 Mbit/s (3 round trips: 120).
+
+NCCL over TCP (its net/socket transport, src/transport/net_socket.cc), with a ring: what its tuner picks
+for buffers of MBs and more (src/graph/tuning.cc; for small ones it may pick a tree or PAT, with fewer
+steps). Its sender pushes each step's data without a handshake (a size header, then the data: no round
+trip per chunk, unlike gloo) into its receiver's NCCL_BUFFSIZE (4 MiB by default, NCCL_STEPS = 8 slots)
+per channel, 2 channels per NIC typically, each over NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD sockets
+(by default its one socket; AWS 16, GCP 4). With enough of them in flight the bytes go at the
+payload rate, and what the pipeline cannot hide is its fill: one one-way delay per ring step, added to the
+bytes, as NCCL's own tuner adds nsteps x a step's latency to bytes / bandwidth (tuning.cc):
+
+- ring all-reduce: 2 (K-1)/K P bytes, 2 (K-1) steps: K-1 round trips, whatever P;
+- all-gather of messages of P bytes: (K-1) P bytes, K-1 steps;
+- reduce_scatter: the all-to-all of parts (NCCL's grouped sends to the K-1 peers, concurrently: one step),
+  then the owners' means' all-gather (K-1 steps), one after the other.
+
+Keeping the link full takes the bandwidth x round trip in flight per node (50 MB at 10 Gbit/s and 20 ms
+one way): enough sockets with TCP windows to match (net.ipv4.tcp_rmem / tcp_wmem), else NCCL runs slower
+than modelled. Checked against NVIDIA/nccl issue #209 (GCP, 32 Gbit/s TCP, 1 GPU per node, 8-16 sockets):
+all-reduce bus bandwidth 30.4-31.4 Gbit/s on 2 and 4 nodes, this model 30.6 (tests/net/test_wan.py); with
+8 GPUs per node the same issue measured 14.5-22.9: NCCL does not always fill the link, and this is the
+case where it does. No published NCCL figure over a WAN's latency was found: the latency term is the
+tuner's form with a WAN's one-way delay, an assumption (a 1B model's all-reduce over 20 ms: 0.12 s of its
+5-50 s at 10-1 Gbit/s).
 
 Overlap: a sync started at inner step t and applied at t + tau runs while tau inner steps compute, so only
 max(0, transfer - tau x step time) is spent waiting (Streaming DiLoCo, arXiv:2501.18512, section 2.3).
@@ -89,43 +116,91 @@ def reduce_scatter_phases(
     return ((share * message_bytes, 1), (share * mean_bytes, workers - 1))
 
 
-def allreduce_seconds(link: Link, payload_bytes: float, workers: int) -> float:
+# The libraries whose collectives are modelled (the module's docstring), as torch.distributed names them.
+BACKENDS = ("gloo", "nccl")
+BACKEND_MODELS = {
+    "gloo": "gloo's ring: its bytes or a round trip per segment of at most 1 MiB, whichever is longer",
+    "nccl": "NCCL's ring over TCP sockets, the link kept full: its bytes plus a one-way delay per ring step "
+    "(2(K-1) per all-reduce)",
+}
+
+
+def nccl_ring_steps(collective: str, workers: int) -> int:
+    """Ring steps of one NCCL collective over K nodes, each one one-way delay that its bytes do not hide
+    (tuning.cc's nsteps): all_reduce 2 (K-1), all_gather K-1, all_to_all (grouped sends to every peer at
+    once) 1."""
+    steps = {"all_reduce": 2 * (workers - 1), "all_gather": workers - 1, "all_to_all": 1}
+    return steps[collective]
+
+
+def nccl_seconds(link: Link, bytes_sent: float, collective: str, workers: int) -> float:
+    """An NCCL collective that sends `bytes_sent` per node: its bytes at the payload rate, plus its ring
+    steps' one-way delays (half a round trip each), which the pipeline does not hide."""
+    return link.seconds(bytes_sent, 0, nccl_ring_steps(collective, workers) / 2)
+
+
+def bytes_in_flight(link: Link) -> float:
+    """What one node must have in flight to keep `link` full: its bandwidth x a round trip (bytes)."""
+    return link.bandwidth_mbps * 1e6 / 8 * link.round_trip_s
+
+
+def allreduce_seconds(link: Link, payload_bytes: float, workers: int, backend: str = "gloo") -> float:
     if workers <= 1:
         return 0.0
-    round_trips = allreduce_round_trips(workers, payload_bytes)
-    return link.seconds(ring_allreduce_bytes(payload_bytes, workers), round_trips)
+    sent = ring_allreduce_bytes(payload_bytes, workers)
+    if backend == "nccl":
+        return nccl_seconds(link, sent, "all_reduce", workers)
+    assert backend == "gloo", f"{backend=}"
+    return link.seconds(sent, allreduce_round_trips(workers, payload_bytes))
 
 
-def allgather_seconds(link: Link, payload_bytes: float, workers: int) -> float:
+def allgather_seconds(link: Link, payload_bytes: float, workers: int, backend: str = "gloo") -> float:
     if workers <= 1:
         return 0.0
-    return link.seconds(ring_allgather_bytes(payload_bytes, workers), allgather_round_trips(workers))
+    sent = ring_allgather_bytes(payload_bytes, workers)
+    if backend == "nccl":
+        return nccl_seconds(link, sent, "all_gather", workers)
+    assert backend == "gloo", f"{backend=}"
+    return link.seconds(sent, allgather_round_trips(workers))
 
 
-def reduce_scatter_seconds(link: Link, message_bytes: float, mean_bytes: float, workers: int) -> float:
-    """Its two collectives' times added, each its bytes or its round trips. Over the testbed (4 hosts,
-    6.33 Mbit/s, 20 ms one way; probe_collectives.py, docs/wan.md) the 2-bit pico sync took 210 ms: this
-    183 ms, one max over both collectives 172 ms (its means' all-gather is latency-bound, its parts not)."""
+def reduce_scatter_seconds(
+    link: Link, message_bytes: float, mean_bytes: float, workers: int, backend: str = "gloo"
+) -> float:
+    """Its two collectives' times added, each its bytes or its round trips (gloo; NCCL: its bytes plus its
+    steps' delays). Over the testbed (4 hosts, 6.33 Mbit/s, 20 ms one way; probe_collectives.py,
+    docs/wan.md) the 2-bit pico sync took 210 ms: this 183 ms, one max over both collectives 172 ms (its
+    means' all-gather is latency-bound, its parts not)."""
     if workers <= 1:
         return 0.0
     phases = reduce_scatter_phases(workers, message_bytes, mean_bytes)
+    if backend == "nccl":
+        (parts, _), (means, _) = phases
+        return nccl_seconds(link, parts, "all_to_all", workers) + nccl_seconds(
+            link, means, "all_gather", workers
+        )
+    assert backend == "gloo", f"{backend=}"
     return sum(link.seconds(sent, round_trips) for sent, round_trips in phases)
 
 
 def sync_seconds(
-    link: Link, payload_bytes: float, workers: int, transport: str, mean_bytes: float | None = None
+    link: Link,
+    payload_bytes: float,
+    workers: int,
+    transport: str,
+    mean_bytes: float | None = None,
+    backend: str = "gloo",
 ) -> float:
     """One sync of one message of `payload_bytes` per worker by `transport` (the engine's: all_reduce of
     fp32 sums, all_gather of compressed messages, or reduce_scatter of their parts with owners' means of
-    `mean_bytes`, default the message's size)."""
+    `mean_bytes`, default the message's size), its collectives run by `backend` (gloo or nccl)."""
     if transport == "all_reduce":
-        return allreduce_seconds(link, payload_bytes, workers)
+        return allreduce_seconds(link, payload_bytes, workers, backend)
     if transport == "all_gather":
-        return allgather_seconds(link, payload_bytes, workers)
+        return allgather_seconds(link, payload_bytes, workers, backend)
     assert transport == "reduce_scatter", f"{transport=}"
-    return reduce_scatter_seconds(
-        link, payload_bytes, payload_bytes if mean_bytes is None else mean_bytes, workers
-    )
+    means = payload_bytes if mean_bytes is None else mean_bytes
+    return reduce_scatter_seconds(link, payload_bytes, means, workers, backend)
 
 
 def sync_round_trips(transport: str, workers: int, payload_bytes: float = 0.0) -> int:
@@ -140,18 +215,20 @@ def sync_round_trips(transport: str, workers: int, payload_bytes: float = 0.0) -
     return sum(trips for _, trips in reduce_scatter_phases(workers, 1, 1))  # round trips: not the bytes'
 
 
-def faster_transport(link: Link | None, message_bytes: float, mean_bytes: float, workers: int) -> str:
-    """all_gather or reduce_scatter for compressed syncs: the one that is faster on `link` (with no link:
-    the one that sends fewer bytes). At K <= 2 both send the same bytes and all_gather quantizes once, so
-    it wins ties."""
+def faster_transport(
+    link: Link | None, message_bytes: float, mean_bytes: float, workers: int, backend: str = "gloo"
+) -> str:
+    """all_gather or reduce_scatter for compressed syncs: the one that is faster on `link` with `backend`'s
+    collectives (with no link: the one that sends fewer bytes). At K <= 2 both send the same bytes and
+    all_gather quantizes once, so it wins ties."""
     if workers <= 2:
         return "all_gather"
     if link is None:
         gather = ring_allgather_bytes(message_bytes, workers)
         scatter = reduce_scatter_bytes(message_bytes, mean_bytes, workers)
     else:
-        gather = allgather_seconds(link, message_bytes, workers)
-        scatter = reduce_scatter_seconds(link, message_bytes, mean_bytes, workers)
+        gather = allgather_seconds(link, message_bytes, workers, backend)
+        scatter = reduce_scatter_seconds(link, message_bytes, mean_bytes, workers, backend)
     return "reduce_scatter" if scatter < gather else "all_gather"
 
 
@@ -163,6 +240,7 @@ class PlanRow:
     compute_s: float  # per outer step
     network_s: float  # transfer time per outer step
     wait_s: float  # the part of network_s not hidden behind compute
+    backend: str = "gloo"  # the library whose collectives were modelled (BACKENDS)
 
     @property
     def total_s(self) -> float:
@@ -182,52 +260,46 @@ def plan(
     bits: int = 4,
     fragments: int = 3,
     overlap: int = 2,
+    backend: str = "gloo",
 ) -> list[PlanRow]:
     """Projected time per outer step (H inner steps) for DDP, DiLoCo fp32, MuLoCo `bits`-bit and streaming
-    MuLoCo (`fragments` fragments, tau = `overlap`). Compressed payloads count bits/8 bytes per parameter
-    (the row statistics add ~1% at d >= 512; ignored here)."""
+    MuLoCo (`fragments` fragments, tau = `overlap`), their collectives run by `backend` (gloo or nccl).
+    Compressed payloads count bits/8 bytes per parameter (the row statistics add ~1% at d >= 512; ignored
+    here)."""
     H, K = sync_every, workers
     compute = H * step_seconds
     fp32 = 4.0 * params
     packed = params * bits / 8.0
     rows = []
 
-    ddp_step = allreduce_seconds(link, fp32, K)
+    def row(method: str, sent: float, peak: float, network: float, wait: float) -> None:
+        rows.append(PlanRow(method, sent, peak, compute, network, wait, backend))
+
+    ddp_step = allreduce_seconds(link, fp32, K, backend)
     ddp_bytes = ring_allreduce_bytes(fp32, K)
-    rows.append(
-        PlanRow("DDP (fp32 every step)", H * ddp_bytes, ddp_bytes, compute, H * ddp_step, H * ddp_step)
-    )
+    row("DDP (fp32 every step)", H * ddp_bytes, ddp_bytes, H * ddp_step, H * ddp_step)
 
-    sync = allreduce_seconds(link, fp32, K)
-    rows.append(PlanRow(f"DiLoCo fp32 H={H}", ddp_bytes, ddp_bytes, compute, sync, sync))
+    sync = allreduce_seconds(link, fp32, K, backend)
+    row(f"DiLoCo fp32 H={H}", ddp_bytes, ddp_bytes, sync, sync)
 
-    sync = allgather_seconds(link, packed, K)
+    sync = allgather_seconds(link, packed, K, backend)
     gathered = ring_allgather_bytes(packed, K)
-    rows.append(PlanRow(f"MuLoCo {bits}-bit H={H} all-gather", gathered, gathered, compute, sync, sync))
+    row(f"MuLoCo {bits}-bit H={H} all-gather", gathered, gathered, sync, sync)
 
-    sync = reduce_scatter_seconds(link, packed, packed, K)
+    sync = reduce_scatter_seconds(link, packed, packed, K, backend)
     scattered = reduce_scatter_bytes(packed, packed, K)
-    rows.append(PlanRow(f"MuLoCo {bits}-bit H={H} reduce-scatter", scattered, scattered, compute, sync, sync))
+    row(f"MuLoCo {bits}-bit H={H} reduce-scatter", scattered, scattered, sync, sync)
 
     # Streaming: the transport sync.transport: auto picks (all_gather when the sync overlaps compute).
+    fragment = packed / fragments
     overlapped = overlap > 0
-    transport = (
-        "all_gather" if overlapped else faster_transport(link, packed / fragments, packed / fragments, K)
-    )
-    per_fragment = sync_seconds(link, packed / fragments, K, transport)
+    transport = "all_gather" if overlapped else faster_transport(link, fragment, fragment, K, backend)
+    per_fragment = sync_seconds(link, fragment, K, transport, backend=backend)
     best = (transport.replace("_", "-"), gathered if transport == "all_gather" else scattered)
     hidden = overlap * step_seconds
     wait = fragments * max(0.0, per_fragment - hidden)
-    rows.append(
-        PlanRow(
-            f"streaming MuLoCo {bits}-bit P={fragments} tau={overlap} {best[0]}",
-            best[1],
-            best[1] / fragments,
-            compute,
-            fragments * per_fragment,
-            wait,
-        )
-    )
+    method = f"streaming MuLoCo {bits}-bit P={fragments} tau={overlap} {best[0]}"
+    row(method, best[1], best[1] / fragments, fragments * per_fragment, wait)
     return rows
 
 

@@ -13,6 +13,7 @@ from muloco.net.wan import (
     allgather_seconds,
     allreduce_round_trips,
     allreduce_seconds,
+    bytes_in_flight,
     estimate_step_seconds,
     faster_transport,
     parse_count,
@@ -186,3 +187,93 @@ def test_plan_bad_input_exits_2_with_one_line(args, needle):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.stderr
+
+
+def test_nccl_adds_its_ring_steps_delays_to_its_bytes():
+    """NCCL pushes each ring step's data without a handshake: its bytes at the payload rate plus one one-way
+    delay per step (2 (K-1) for an all-reduce), not a round trip per 1 MiB segment as gloo."""
+    link = Link(bandwidth_mbps=100, latency_ms=10, efficiency=1.0)  # one way 10 ms
+    # 40 MB over 4 nodes: 60 MB = 4.8 s of bytes, plus 6 steps x 10 ms.
+    assert allreduce_seconds(link, 40e6, 4, "nccl") == pytest.approx(4.8 + 0.06)
+    assert allgather_seconds(link, 5e6, 4, "nccl") == pytest.approx(1.2 + 0.03)
+    # reduce_scatter: the parts' all-to-all (3/4 x 5 MB, one step), then the means' all-gather (three).
+    assert reduce_scatter_seconds(link, 5e6, 5e6, 4, "nccl") == pytest.approx(0.3 + 0.01 + 0.3 + 0.03)
+    assert allreduce_seconds(link, 40e6, 1, "nccl") == 0.0
+    # A 64 MiB all-reduce at 1 Gbit/s, 10 ms one way: gloo's 64 segments cost 64 round trips (1.28 s), NCCL
+    # its bytes (0.81 s) and 6 one-way delays.
+    fast = Link(bandwidth_mbps=1000, latency_ms=10, efficiency=1.0)
+    assert allreduce_seconds(fast, 64 * 2**20, 4) == pytest.approx(1.28)
+    assert allreduce_seconds(fast, 64 * 2**20, 4, "nccl") == pytest.approx(8 * 96 * 2**20 / 1e9 + 0.06)
+    # What keeps the link full: its bandwidth x a round trip in flight (10 Gbit/s, 20 ms one way: 50 MB).
+    assert bytes_in_flight(Link(10_000, latency_ms=20)) == pytest.approx(50e6)
+
+
+# NVIDIA/nccl issue #209 (2019-06-04): nccl-tests all_reduce_perf over TCP sockets on GCP's 32 Gbit/s
+# instances, 1 GPU per node, NCCL 2.4.7: the bus bandwidth (bytes each node sends per second) of messages
+# from 32 MiB (2 nodes, 1 x 8 sockets) and 128 MiB (4 nodes, 2 x 8 sockets), three runs each, Gbit/s.
+NCCL_ISSUE_209_BUSBW_GBIT = {2: (30.6, 31.0, 31.4), 4: (30.4, 30.8, 30.8)}
+
+
+@pytest.mark.parametrize("nodes", sorted(NCCL_ISSUE_209_BUSBW_GBIT))
+def test_nccl_fills_the_link_as_measured_over_tcp(nodes):
+    """The model's byte term: NCCL with enough sockets sends at the TCP payload rate (32 x 1448/1514 = 30.6
+    Gbit/s). Within 3% of every run (GCP's 1460-byte MTU and its rate cap are not exactly ours). A LAN's
+    ~50 us one way adds its ring steps' delays, under 0.2% at these sizes."""
+    link = Link(bandwidth_mbps=32_000, latency_ms=0.05)
+    size = 128 * 2**20
+    busbw_gbit = 2 * (nodes - 1) / nodes * size * 8 / allreduce_seconds(link, size, nodes, "nccl") / 1e9
+    for measured in NCCL_ISSUE_209_BUSBW_GBIT[nodes]:
+        assert busbw_gbit == pytest.approx(measured, rel=0.03)
+
+
+def test_gloo_plan_is_unchanged_and_nccl_is_byte_bound_for_a_1b_model():
+    """`muloco plan --params 1B --bandwidth-mbps 1000 10000 --latency-ms 20`: over gloo DDP takes 4,608.69 s
+    per outer step at both rates (its 4 GB all-reduce: ~3,800 segments, a round trip each); over NCCL the
+    bytes set it, ~10x apart (docs/wan.md's deployment: ratios ~50 and ~5 of its 0.98 s step)."""
+    step = estimate_step_seconds(1e9, 16384, 100.0)
+    slow, fast = Link(1000, latency_ms=20), Link(10_000, latency_ms=20)
+    for link in (slow, fast):
+        assert plan(1e9, 4, 30, step, link)[0].total_s == pytest.approx(4608.69, abs=0.005)
+    nccl_slow, nccl_fast = (plan(1e9, 4, 30, step, link, backend="nccl") for link in (slow, fast))
+    assert all(r.backend == "nccl" for r in nccl_slow + nccl_fast)
+    ratio = nccl_slow[0].network_s / nccl_fast[0].network_s
+    assert 9.5 < ratio < 10.0  # the bytes 10x, the same 3 round trips per all-reduce at both
+    ddp_step = nccl_slow[0].network_s / 30
+    assert ddp_step / step == pytest.approx(51, abs=1) and nccl_fast[0].network_s / 30 / step < 5.3
+    # The compressed rows were byte-bound over gloo too: they move by the ring steps' delays only.
+    for gloo, nccl in zip(plan(1e9, 4, 30, step, slow)[2:], nccl_slow[2:]):
+        assert nccl.network_s == pytest.approx(gloo.network_s, rel=0.02)
+
+
+def test_plan_names_its_transport_and_takes_the_runs(capsys, monkeypatch):
+    """The table says whose collectives it models; the default is what the run would use: the config's
+    backend.torch.dist_backend, else its device, else CUDA on this machine."""
+    import torch
+
+    args = ["plan", "--params", "1B", "--bandwidth-mbps", "1000", "10000", "--latency-ms", "20"]
+    assert main([*args, "--transport", "gloo"]) == 0
+    out = capsys.readouterr().out
+    assert "transport: gloo (--transport)" in out and out.count("4608.69") == 2
+    assert main([*args, "--transport", "nccl"]) == 0
+    out = capsys.readouterr().out
+    assert "transport: nccl (--transport)" in out and "4608.69" not in out
+    assert "50.0 MB in flight per node" in out  # 10 Gbit/s x 40 ms
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main([*args, "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)
+    assert [e["transport"] for e in entries] == ["nccl", "nccl"]
+    assert {r["backend"] for e in entries for r in e["rows"]} == {"nccl"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(args) == 0
+    assert "transport: gloo (no CUDA on this machine" in capsys.readouterr().out
+    qs = "configs/quickstart.yaml"
+    for overrides, expected in (
+        (["device=cuda"], "transport: nccl (the config's device=cuda)"),
+        (["device=cpu"], "transport: gloo (the config's device=cpu)"),
+        (["device=cuda", "backend.torch.dist_backend=gloo"], "dist_backend=gloo)"),
+        (["backend.kind=torchft"], "transport: gloo (backend.kind=torchft"),
+    ):
+        assert main(["plan", qs, *overrides, "--bandwidth-mbps", "100"]) == 0
+        assert expected in capsys.readouterr().out
+    assert main(["plan", qs, "device=cuda", "--transport", "gloo"]) == 0
+    assert "transport: gloo (--transport)" in capsys.readouterr().out
