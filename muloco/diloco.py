@@ -84,13 +84,15 @@ class DiLoCo:
         transport: str = "auto",
         aggregate: str = "mean",
         trim: int = 1,
+        eager: bool = False,
     ) -> None:
         """total_steps: when given, the step() call that reaches it syncs every fragment with unsynced
         steps at once, as `muloco train` ends a run; max_bad_syncs: syncs in a row with this replica left
         out (non-finite) before TrainingError; transport: how compressed syncs travel (sync.transport:
         all_gather, reduce_scatter or auto; reduce_scatter needs collectives, not a swarm); aggregate, trim:
         how a sync combines the contributions (sync.aggregate, sync.trim: mean, trimmed_mean, median,
-        centered_clip; docs/security.md)."""
+        centered_clip; docs/security.md); eager: eager updates of an overlapped sync (sync.eager,
+        docs/streaming.md)."""
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(
                 f"sync_every must be an integer >= 1 (H, inner steps between syncs), got {sync_every}"
@@ -104,6 +106,7 @@ class DiLoCo:
             transport=transport,
             aggregate=aggregate,
             trim=trim,
+            eager=eager,
         )
         outer = _section(OuterConfig, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
         if compression is not None and not isinstance(compression, Compressor | CompressionConfig):

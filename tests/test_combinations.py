@@ -31,8 +31,14 @@ COMPRESSIONS = {
     "stat4": ["compression.scheme=statistical", "compression.bits=4"],
     "stat2-ef": ["compression.scheme=statistical", "compression.bits=2", "compression.error_feedback=true"],
 }
-# window: a whole window overlapped (tau = H = 3; local and torch carry it, hivemind and torchft refuse it).
-FRAGMENTS = {"whole": [], "streaming": ["sync.fragments=2", "sync.overlap=1"], "window": ["sync.overlap=3"]}
+# window: a whole window overlapped (tau = H = 3), eager: with eager updates; local and torch carry both,
+# hivemind and torchft refuse them.
+FRAGMENTS = {
+    "whole": [],
+    "streaming": ["sync.fragments=2", "sync.overlap=1"],
+    "window": ["sync.overlap=3"],
+    "eager": ["sync.overlap=3", "sync.eager=true"],
+}
 STEPS = 7  # syncs at 3 and 6 (streaming: a fragment's every 1.5 steps), and all at the last step
 
 
@@ -124,7 +130,7 @@ def test_every_backend_at_the_defaults(tmp_path, backend, K):
         # A full group starts at once; 2 busy cores: a download is not given up under load.
         "hivemind": ["backend.hivemind.target_group_size=" + str(K), "backend.hivemind.averaging_timeout=15"],
     }.get(backend, [])
-    carried = [(c, f) for c, f in CASES if f != "window" or backend == "torch"]
+    carried = [(c, f) for c, f in CASES if f not in ("window", "eager") or backend == "torch"]
     cases = [
         {
             "name": f"{c}-{f}",
@@ -185,6 +191,8 @@ def test_workers_of_two_ranks_at_the_defaults(tmp_path, backend, nproc, K):
         (["sync.aggregate=median", "sync.transport=reduce_scatter"], "sync.aggregate=median"),
         (["backend.kind=hivemind", "sync.overlap=3"], "sync.overlap=3"),
         (["backend.kind=torchft", "sync.overlap=3"], "sync.overlap=3"),
+        (["backend.kind=torchft", "sync.overlap=2", "sync.eager=true"], "sync.eager"),
+        (["sync.eager=true"], "sync.eager"),
         (
             ["sharding=fsdp", "ranks_per_worker=2", "backend.kind=torch", "train.micro_batch_tokens=32"]
             + ["sync.transport=reduce_scatter"],

@@ -45,6 +45,7 @@ def user_loop(cfg, data, steps, diloco_kwargs=None, state=None):
         alpha=cfg.sync.alpha,
         total_steps=cfg.total_steps,
         transport=cfg.sync.transport,
+        eager=cfg.sync.eager,
         **(diloco_kwargs or {}),
     )
     stream = ReplicaStream(data.train, cfg.model.seq_len, 0, 1, cfg.run.seed)
@@ -77,8 +78,9 @@ def user_loop(cfg, data, steps, diloco_kwargs=None, state=None):
         ["inner.optimizer=muon", *STAT4_EF, *STREAMING],
         ["inner.optimizer=muon", *STAT4_EF, "sync.transport=reduce_scatter"],
         ["inner.optimizer=muon", *STAT4_EF, "sync.overlap=3"],
+        ["inner.optimizer=muon", *STAT4_EF, "sync.overlap=3", "sync.eager=true"],
     ],
-    ids=["plain", "streaming-stat4-ef", "stat4-ef-reduce-scatter", "whole-window-stat4-ef"],
+    ids=["plain", "streaming-stat4-ef", "stat4-ef-reduce-scatter", "whole-window-stat4-ef", "eager-stat4-ef"],
 )
 def test_diloco_equals_muloco_train_bit_for_bit(tiny, extra):
     cfg = load_config(None, [*tiny, "workers=1", "sync.every=3", *extra])

@@ -158,6 +158,12 @@ class Config(Section):
                 f"flight at every sync, which backend.kind={self.backend.kind}'s heal and catch-up do not "
                 f"carry yet; use backend.kind local or torch, or sync.overlap < {self.sync.every}"
             )
+        if self.sync.eager and (self.backend.kind in ("torchft", "hivemind") or self.sharding == "fsdp"):
+            where = f"backend.kind={self.backend.kind}" if self.sharding != "fsdp" else "sharding=fsdp"
+            raise ValueError(
+                f"sync.eager keeps each worker's own outer parameters, which {where} does not hand over or "
+                "shard yet; use backend.kind local or torch with sharding=replicate, or sync.eager=false"
+            )
         if self.method == "dp" and self.sync.streaming:
             raise ValueError(
                 "sync.fragments/overlap/alpha (Streaming DiLoCo) apply to method: diloco; with method: dp "

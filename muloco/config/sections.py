@@ -210,6 +210,14 @@ class SyncConfig(Section):
         "steps go on; at most H / P (one fragment: a whole window, tau = H: the sync started after round r "
         "is applied after round r + 1's inner steps, the naive delayed update of Kale et al. 2025).",
     )
+    eager: bool = Field(
+        False,
+        description="Eager updates (Kale et al. 2025, arXiv 2502.12996, Algorithm 3), with sync.overlap > 0: "
+        "each worker takes an outer step at once at every sync, with its own fresh pseudogradient in place "
+        "of its stale one in the mean of the previous sync, and starts its next window from its own outer "
+        "parameters; the run's global parameters take each mean when it arrives (docs/streaming.md). "
+        "false: the naive delayed update.",
+    )
     alpha: float = Field(
         0.0,
         ge=0,
@@ -273,6 +281,11 @@ class SyncConfig(Section):
             raise ValueError(
                 f"sync.overlap ({self.overlap}) must be at most sync.every / sync.fragments ({H}/{P}) so a "
                 f"sync is applied by the time the next fragment's starts; use sync.overlap <= {H // P}"
+            )
+        if self.eager and (self.overlap == 0 or self.alpha > 0):
+            raise ValueError(
+                "sync.eager steps each worker at once with the stale mean of a sync in flight, in place of "
+                "the merge: set sync.overlap > 0 and sync.alpha=0 (or sync.eager=false)"
             )
         for field in ("embedding_fragment", "head_fragment"):
             value = getattr(self, field)

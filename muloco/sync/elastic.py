@@ -90,7 +90,7 @@ class ElasticReducer:
     # reduce_scatter's two collectives would leave its parts' means with no owner to send them, and a
     # healer joining a sync has no parts to own (docs/transport.md, "Backends").
     transports = ("all_gather",)
-    whole_window = False  # its state hand-over needs no sync in flight (reduce.py's Reducer)
+    whole_window = False  # its state hand-over: no sync in flight, one outer state (reduce.py's Reducer)
 
     def __init__(self, section: TorchftBackendConfig, workers: int, topology: Topology | None = None) -> None:
         self.section, self.workers = section, workers

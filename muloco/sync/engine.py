@@ -38,6 +38,7 @@ from muloco.errors import TrainingError, UserError
 from muloco.net.wan import sync_seconds
 from muloco.sharding import local
 from muloco.sync.counters import CommLedger, Progress, WanProjection
+from muloco.sync.eager import EagerUpdates
 from muloco.sync.engine_state import engine_state, load_engine_state
 from muloco.sync.fragments import Fragment, SyncSchedule, fragment_indices
 from muloco.sync.gather import Gathered, gather, global_norm
@@ -109,11 +110,19 @@ class SyncEngine:
         self.observer = None  # diagnostics (run/alignment.py): sees every pseudogradient and merge
         self.conclusion: dict[str, Any] = {}  # the reducer's final agreement's summary fields (conclude)
         self.in_flight: list[InFlightSync] = []
+        workers = reducer.workers or 1
+        self.eager = EagerUpdates(self.outer, local_replicas, workers) if sync.eager else None  # eager.py
+        self._settling = False  # the round applies everything (the run's end, now): eager replicas merge
         reducer.open(shapes, plan.codecs)
 
     @property
     def global_params(self) -> list[torch.Tensor]:
         return self.outer.params
+
+    def base_of(self, position: int) -> list[torch.Tensor]:
+        """What local replica `position`'s pseudogradient is taken against: the global parameters, or
+        under eager updates its worker's own outer parameters."""
+        return self.outer.params if self.eager is None else self.eager.base(position)
 
     @property
     def fragment_syncs(self) -> int:
@@ -140,7 +149,7 @@ class SyncEngine:
         for fragment in self.fragments:
             fragment.unsynced = True  # the replicas took inner steps that no started sync covers yet
         final = now or self._is_last(step)
-        records = []
+        self._settling, records = final, []
         if now:
             starting = list(range(len(self.fragments)))
         elif final:
@@ -171,10 +180,12 @@ class SyncEngine:
             sync = self.start(fragment, contributing, at, loss, delay=0 if now else None)
             if fragment in after_start:
                 records.append(self.finish(after_start.pop(fragment), replicas))
-            elif self.schedule.overlap >= self.schedule.every and sync.apply_step > self.progress.steps:
+            elif self.schedule.overlap >= self.schedule.every and self.eager is None and not final:
                 # A whole window's first sync: no mean has arrived to apply, and the replicas restart from
                 # the global parameters all the same (the delayed update's first, empty outer step).
                 self._merge(self.fragments[fragment], contributing)
+            if self.eager is not None and not final:  # each worker's outer step at once (eager.py)
+                self.eager.step(self.fragments[fragment].indices, contributing)
             if sync.apply_step <= self.progress.steps:
                 records.append(self.finish(sync, replicas))
             # 3. torchft: this worker adopted its quorum's state and step, and joined the quorum's sync
@@ -187,6 +198,9 @@ class SyncEngine:
                 contributing = []
         for sync in after_start.values():  # a moved plan left its fragment out: applied all the same
             records.append(self.finish(sync, replicas))
+        if final and self.eager is not None:
+            self.eager.settle()
+        self._settling = False
         return records
 
     def next_event(self, step: int) -> int:
@@ -315,7 +329,10 @@ class SyncEngine:
             (sent,) = self.worker_sum(mean.bytes_sent)
             self.ledger.count(sent, mean.bytes_sent)
 
-        self._merge(part, replicas)
+        if self.eager is not None:  # the mean is the next eager step's stale one; replicas follow theta_m
+            self.eager.arrived(part.indices, mean.values if finite else None)
+        if self.eager is None or self._settling:
+            self._merge(part, replicas)
         record = self._record(sync, mean, update_norm, left_out)
         self.reducer.after_sync(self, mean, replicas)
         return record

@@ -20,6 +20,7 @@ def engine_state(engine) -> dict[str, Any]:
         "owner_error_feedback": [ef.state_dict() if ef is not None else None for ef in engine.owner_feedback],
         "in_flight": [s.state_dict() for s in engine.in_flight],
         "unsynced": [f.unsynced for f in engine.fragments],
+        **({"eager": engine.eager.state_dict()} if engine.eager is not None else {}),
     }
     if engine.sharded_like is not None:
         _as_shards(engine, state)
@@ -56,6 +57,8 @@ def load_engine_state(engine, state: dict[str, Any]) -> None:
             mean.values = [v.to(engine.outer.device) for v in mean.values]
     for fragment, unsynced in zip(engine.fragments, state["unsynced"], strict=True):
         fragment.unsynced = unsynced
+    if engine.eager is not None:
+        engine.eager.load_state_dict(state["eager"])
 
 
 def _local_rows(value: Any) -> Any:

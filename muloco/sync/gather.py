@@ -77,15 +77,18 @@ def gather(part, replicas: list, step: int, engine) -> Gathered:
     gathered = Gathered(part.params, compressed=part.codec is not None, with_cosine=len(replicas) > 1)
     for position, replica in enumerate(replicas):
         replica.activate()
-        delta = replica.pseudogradient(engine.outer.params, part.indices)
+        base = engine.base_of(position)  # the global parameters (eager updates: the worker's own)
+        delta = replica.pseudogradient(base, part.indices)
         norm = global_norm(delta)
         if engine.shard_group is not None:  # every rank of the worker judges the replica alike
             sq, unhealthy = engine.worker_sum(norm**2, float(not replica.healthy))
             norm, replica.healthy = math.sqrt(sq), unhealthy == 0
         if not usable(replica, norm):
-            _reset(replica, engine.outer.params, engine.error_feedback[position], step, norm)
+            _reset(replica, base, engine.error_feedback[position], step, norm)
             continue
         gathered.add(delta, norm)
+        if engine.eager is not None:
+            engine.eager.keep(position, delta)
         if part.codec is not None:
             gathered.messages.append(part.codec.encode(delta, engine.error_feedback[position]))
         if engine.observer is not None:

@@ -132,8 +132,9 @@ class Reducer(Protocol):
     workers: int | None  # K when fixed (collectives); None for a swarm, whose groups come and go
     # The compressed transports it can carry; sync.transport=auto picks only among these (transport.py).
     transports: tuple[str, ...]
-    # Whether it carries a whole window overlapped (sync.overlap = H: a sync in flight at every start). A
-    # swarm's catch-up and torchft's heal hand the state over between syncs, which such a run never has.
+    # Whether it carries a whole window overlapped (sync.overlap = H: a sync in flight at every start) and
+    # eager updates (each worker's own outer state). A swarm's catch-up and torchft's heal hand one state
+    # over between syncs.
     whole_window: bool
 
     def local_replicas(self, workers: int) -> list[int]:
@@ -164,12 +165,19 @@ class Reducer(Protocol):
 
 
 def check_whole_window(reducer: Reducer, sync) -> None:
-    """A whole window overlapped (sync.overlap = H) only on a reducer that carries it (`whole_window`; one
-    that does not declare it, a user's own through the Python API, is taken to)."""
-    if sync.overlap >= sync.every and not getattr(reducer, "whole_window", True):
+    """A whole window overlapped (sync.overlap = H) or eager updates only on a reducer that carries them
+    (`whole_window`; one that does not declare it, a user's own through the Python API, is taken to)."""
+    if getattr(reducer, "whole_window", True):
+        return
+    if sync.overlap >= sync.every:
         raise UserError(
             f"sync.overlap={sync.overlap} (a whole window) keeps a sync in flight at every sync, which this "
             f"backend's state hand-over does not carry yet; use sync.overlap < {sync.every}"
+        )
+    if sync.eager:
+        raise UserError(
+            "sync.eager keeps each worker's own outer parameters, which this backend's state hand-over "
+            "does not carry yet; use sync.eager=false"
         )
 
 

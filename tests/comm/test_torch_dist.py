@@ -73,6 +73,10 @@ STREAMING_CASES = {
         ["inner.ns_dtype=fp32", *STAT4_EF_RS, *WHOLE_WINDOW],
         0.0,
     ),
+    "eager-whole-window-muon-statistical4-ef": (
+        ["inner.ns_dtype=fp32", *STAT4_EF, *WHOLE_WINDOW, "sync.eager=true"],
+        0.0,
+    ),
 }
 
 

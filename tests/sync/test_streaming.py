@@ -158,7 +158,103 @@ def reference_delayed(cfg, data):
     return theta, applied_at
 
 
+def reference_eager(cfg, data):
+    """A whole window overlapped with eager updates: Kale, Douillard and Donchev 2025, Algorithm 3, written
+    out. Worker m keeps its own outer parameters theta_m and momentum; at the end of window k it sends
+    Delta_m^k = theta_m - theta_m,k and steps theta_m at once with
+    g_m = mean^{k-1} + (Delta_m^k - Delta_m^{k-1}) / K, then starts window k + 1 from theta_m. The run's
+    consensus takes each mean when it arrives (a window late); at the last step both last means are
+    applied to it and every replica ends on it."""
+    H, T, K = cfg.sync.every, cfg.total_steps, cfg.workers
+    template, replicas = _reference_replicas(cfg, data)
+    consensus = [p.detach().clone() for p in template.parameters()]
+    mine = [[p.clone() for p in consensus] for _ in range(K)]
+
+    def sgd(params):  # torch's SGD with Nesterov momentum: the outer step no one here wrote
+        return torch.optim.SGD(params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True)
+
+    def outer_step(optimizer, params, grad):
+        for p, g in zip(params, grad, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+
+    on_consensus, on_mine = sgd(consensus), [sgd(m) for m in mine]
+    last, stale = [None] * K, None
+    for s in range(1, T + 1):
+        _inner_step(cfg, replicas, s)
+        if s % H != 0 and s != T:
+            continue
+        deltas = [
+            [t - p.detach() for t, p in zip(mine[m], model.parameters(), strict=True)]
+            for m, (model, _, _) in enumerate(replicas)
+        ]
+        mean = [sum(d) / K for d in zip(*deltas, strict=True)]
+        if stale is not None:
+            outer_step(on_consensus, consensus, stale)
+        if s == T:
+            outer_step(on_consensus, consensus, mean)
+            return consensus
+        for m, (model, _, _) in enumerate(replicas):
+            previous = last[m] or [torch.zeros_like(d) for d in deltas[m]]
+            proxy = [
+                (d - p) / K + (0 if stale is None else st)
+                for d, p, st in zip(deltas[m], previous, stale or [None] * len(previous), strict=True)
+            ]
+            outer_step(on_mine[m], mine[m], proxy)
+            last[m] = deltas[m]
+            with torch.no_grad():
+                for p, t in zip(model.parameters(), mine[m], strict=True):
+                    p.copy_(t)
+        stale = mean
+    return consensus
+
+
 STREAMING = ["workers=2", "train.batch_tokens=512", "inner.optimizer=adamw", "model.n_layers=3"]
+
+
+@pytest.mark.parametrize("steps", [12, 14])
+def test_eager_updates_equal_the_papers_algorithm(tiny, steps):
+    overrides = ["sync.every=4", "sync.overlap=4", "sync.eager=true", f"train.total_tokens={512 * steps}"]
+    cfg = load_config(None, [*tiny, *STREAMING, *overrides])
+    trainer = Trainer(cfg)
+    trainer.run()
+    expected = reference_eager(cfg, trainer.data)
+    for a, b in zip(expected, trainer.engine.outer.params, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+    for replica in trainer.replicas:  # every worker ends on the consensus
+        assert all(
+            torch.equal(p, g) for p, g in zip(params_of(replica.model), expected_of(trainer), strict=True)
+        )
+
+
+def expected_of(trainer):
+    return [p.detach() for p in trainer.engine.outer.params]
+
+
+def test_eager_updates_of_one_worker_are_plain_diloco_and_the_naive_ones_are_not(tiny):
+    """K = 1: the eager proxy is the worker's own fresh pseudogradient, so the run is plain DiLoCo within
+    rounding; the naive delayed update applies every mean a window late and ends elsewhere."""
+    base = [
+        *tiny,
+        *STREAMING,
+        "workers=1",
+        "train.batch_tokens=256",
+        "train.total_tokens=3072",
+        "sync.every=4",
+    ]
+    runs = {}
+    for name, extra in {
+        "plain": [],
+        "eager": ["sync.overlap=4", "sync.eager=true"],
+        "naive": ["sync.overlap=4"],
+    }.items():
+        trainer = Trainer(load_config(None, [*base, f"run.name={name}", *extra]))
+        trainer.run()
+        runs[name] = expected_of(trainer)
+    for a, b in zip(runs["plain"], runs["eager"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+    gap = max((a - b).abs().max().item() for a, b in zip(runs["plain"], runs["naive"], strict=True))
+    assert gap > 1e-3
 
 
 @pytest.mark.parametrize("steps", [12, 14])  # the last window whole, or a tail of 2 steps
@@ -252,6 +348,7 @@ def test_fragments_cut_the_peak_bytes_per_sync(tiny):
     [
         (["sync.every=6", "sync.fragments=3", "sync.overlap=1", "sync.alpha=0.5"], 1),
         (["sync.every=4", "sync.overlap=4"], 4),  # a whole window: a sync is in flight at every checkpoint
+        (["sync.every=4", "sync.overlap=4", "sync.eager=true"], 4),  # and each worker's own outer state
     ],
 )
 def test_checkpoint_with_a_sync_in_flight_resumes_exactly(tiny, tmp_path, sync, tau):
