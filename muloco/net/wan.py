@@ -52,8 +52,9 @@ tuner's form with a WAN's one-way delay, an assumption (a 1B model's all-reduce 
 
 Overlap: a sync started at inner step t and applied at t + tau runs while tau inner steps compute, so only
 max(0, transfer - tau x step time) is spent waiting (Streaming DiLoCo, arXiv:2501.18512, section 2.3).
-DDP is modelled without overlap, as muloco's `method: dp` runs it (all-reduce after the backward pass);
-torch DDP hides part of it behind the backward pass, so the DDP rows are an upper bound on its waiting.
+DDP is modelled without overlap: `method: dp` over processes is torch's DDP, whose buckets' all-reduces
+overlap the backward where the gradient spans several buckets (pico's fits torch's first, 1 MiB: none), so
+the DDP rows are an upper bound on its waiting.
 """
 
 from __future__ import annotations

@@ -151,6 +151,21 @@ def check_comm_hook_world(cfg: Config, backend) -> None:
         )
 
 
+def uses_ddp(cfg: Config, backend) -> bool:
+    """Whether method dp runs through torch's DistributedDataParallel: with a comm hook, and for fp32 over
+    processes of one worker each, as users run DDP (its buckets' all-reduces overlap the backward). The
+    simulation, several workers per process, or workers of several ranks keep the flat all-reduce after the
+    backward, the reference DDP equals to float tolerance (tests/comm/test_torch_dist.py)."""
+    if cfg.dp.comm_hook != "none":
+        return True
+    return (
+        backend.world_size > 1
+        and backend.world_size == cfg.workers
+        and cfg.ranks_per_worker == 1
+        and torch.distributed.is_initialized()
+    )
+
+
 def data_parallel(
     cfg: Config,
     replica: Replica,
@@ -163,7 +178,7 @@ def data_parallel(
 ) -> DataParallel:
     """method: dp over the run's K workers; shape: (micro-batches, sequences per micro-batch)."""
     micro_batches, seqs_per_micro = shape
-    ddp = CommHookDDP(replica.model, cfg.dp) if cfg.dp.comm_hook != "none" else None
+    ddp = CommHookDDP(replica.model, cfg.dp) if uses_ddp(cfg, backend) else None
     return DataParallel(
         replica,
         streams,

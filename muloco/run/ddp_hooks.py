@@ -34,7 +34,8 @@ BF16_BYTES, FP32_BYTES = 2, 4
 
 
 class CommHookDDP:
-    """One process's model under DDP with `cfg.comm_hook`; gradients come out averaged over the ranks."""
+    """One process's model under DDP with `cfg.comm_hook` (none: fp32, as torch's DDP runs by default);
+    gradients come out averaged over the ranks."""
 
     def __init__(self, model: nn.Module, cfg: DpConfig) -> None:
         # broadcast_buffers=False: no broadcast each forward (the built-in GPT has no buffers; a model's own,
@@ -44,7 +45,9 @@ class CommHookDDP:
             self.module = DistributedDataParallel(model, broadcast_buffers=False)
         self.payloads: list[int] = []  # bytes of each all-reduce issued since take_payloads()
         self.powersgd: powerSGD_hook.PowerSGDState | None = None
-        if cfg.comm_hook == "bf16":
+        if cfg.comm_hook == "none":  # fp32: DDP's own bucketed all-reduce, overlapped with the backward
+            self.module.register_comm_hook(None, self._fp32)
+        elif cfg.comm_hook == "bf16":
             self.module.register_comm_hook(None, self._bf16)
         else:
             self.powersgd = powerSGD_hook.PowerSGDState(
@@ -61,6 +64,10 @@ class CommHookDDP:
     # Unannotated: DDP compares a hook's annotations with real types, and this module's are strings.
     # DDP refuses bf16_compress_hook by name without CUDA and NCCL; gloo all-reduces bf16 as well, and
     # under this wrapper's name the same hook runs there.
+    def _fp32(self, state, bucket):
+        self.payloads.append(bucket.buffer().numel() * FP32_BYTES)
+        return default_hooks.allreduce_hook(state, bucket)
+
     def _bf16(self, state, bucket):
         self.payloads.append(bucket.buffer().numel() * BF16_BYTES)
         return default_hooks.bf16_compress_hook(state, bucket)

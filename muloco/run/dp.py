@@ -43,7 +43,7 @@ class DataParallel:
         self.guard = BadSyncGuard(progress, workers, max_bad_syncs)
         self.progress, self.ledger, self.wan = progress, ledger, wan
         self.grad_bytes = 4 * sum(p.numel() for p in replica.model.parameters())  # fp32 gradients
-        self.ddp = ddp  # dp.comm_hook: torch's DDP averages (and compresses) during the backward
+        self.ddp = ddp  # torch's DDP averages (dp.comm_hook: and compresses) during the backward
 
     def step(self, lr_multiplier: float, autocast) -> tuple[float, int]:
         """One step: gradients averaged over the K workers' batches, one optimizer step. Returns this
@@ -91,6 +91,12 @@ class DataParallel:
             self.wan.project(sum(allreduce_seconds(self.wan.link, payload, K) for payload in payloads), 0)
         return loss_sum, len(self.streams) * self.micro_batches
 
+    @property
+    def gradient_sync(self) -> str:
+        """summary.json's dp_gradients: torch_ddp (buckets all-reduced during the backward) or all_reduce
+        (one flat all-reduce after it: the simulation's, the reference)."""
+        return "torch_ddp" if self.ddp is not None else "all_reduce"
+
     def state_dict(self) -> dict:
         hook = {"comm_hook": self.ddp.state_dict()} if self.ddp is not None else {}
         return {"streams": [s.state_dict() for s in self.streams], **hook}
@@ -98,5 +104,5 @@ class DataParallel:
     def load_state_dict(self, state: dict) -> None:
         for stream, stream_state in zip(self.streams, state["streams"], strict=True):
             stream.load_state_dict(stream_state)
-        if self.ddp is not None:
-            self.ddp.load_state_dict(state["comm_hook"])
+        if self.ddp is not None:  # a checkpoint of the flat all-reduce has no hook state
+            self.ddp.load_state_dict(state.get("comm_hook", {}))

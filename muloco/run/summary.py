@@ -77,6 +77,7 @@ def build_summary(
         **config_figures(cfg),
         # sync.transport as resolved (auto -> all_gather | reduce_scatter; fp32 and dp: all_reduce)
         "transport": getattr(components.get("engine"), "transport", "all_reduce"),
+        **({"dp_gradients": components["dp"].gradient_sync} if "dp" in components else {}),
         "tokens_seen": tokens,
         **components["progress"].summary(),
         **components["ledger"].summary(),

@@ -159,11 +159,16 @@ def test_streaming_over_processes_equals_the_simulation(tmp_path, process_runs, 
 
 
 def test_dp_over_processes_equals_simulated_dp(tmp_path, TINY):
+    """fp32 method dp over processes is torch's DistributedDataParallel (its buckets all-reduced during the
+    backward, as users run it); the simulation's flat all-reduce after the backward is the reference."""
     common = [*TINY, "method=dp", "workers=2", "train.batch_tokens=512", f"run.output_dir={tmp_path}"]
     sim = Trainer(load_config(QS, [*common, "run.name=sim"]))
-    sim.run()
+    simulated = sim.run()
     result = launch(2, [*common, "run.name=p2"])
     assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "p2" / "summary.json").read_text())
+    assert (simulated["dp_gradients"], summary["dp_gradients"]) == ("all_reduce", "torch_ddp")
+    assert summary["bytes_sent_per_worker"] == simulated["bytes_sent_per_worker"]
     state = load_checkpoint(list_checkpoints(tmp_path / "p2" / "checkpoints")[-1])
     for a, (name, b) in zip(
         sim.replicas[0].model.parameters(), state["replicas"][0]["model"].items(), strict=True
