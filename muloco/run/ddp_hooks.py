@@ -17,6 +17,7 @@ What this module adds around torch's hooks, and nothing else:
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from itertools import islice
@@ -44,6 +45,9 @@ class CommHookDDP:
             warnings.simplefilter("ignore", FutureWarning)
             self.module = DistributedDataParallel(model, broadcast_buffers=False)
         self.payloads: list[int] = []  # bytes of each all-reduce issued since take_payloads()
+        # When the last bucket's all-reduce was issued (its gradients ready: the backward's compute is done)
+        # and when the last one completed: the backward's wait on the network is the gap (take_wait_s).
+        self._issued = self._completed = 0.0
         self.powersgd: powerSGD_hook.PowerSGDState | None = None
         if cfg.comm_hook == "none":  # fp32: DDP's own bucketed all-reduce, overlapped with the backward
             self.module.register_comm_hook(None, self._fp32)
@@ -66,16 +70,16 @@ class CommHookDDP:
     # under this wrapper's name the same hook runs there.
     def _fp32(self, state, bucket):
         self.payloads.append(bucket.buffer().numel() * FP32_BYTES)
-        return default_hooks.allreduce_hook(state, bucket)
+        return self._timed(default_hooks.allreduce_hook(state, bucket))
 
     def _bf16(self, state, bucket):
         self.payloads.append(bucket.buffer().numel() * BF16_BYTES)
-        return default_hooks.bf16_compress_hook(state, bucket)
+        return self._timed(default_hooks.bf16_compress_hook(state, bucket))
 
     def _powersgd(self, state, bucket):
         if state.iter < state.start_powerSGD_iter:  # torch's plain fp32 all-reduce of the bucket
             self.payloads.append(bucket.buffer().numel() * FP32_BYTES)
-            return powerSGD_hook.powerSGD_hook(state, bucket)
+            return self._timed(powerSGD_hook.powerSGD_hook(state, bucket))
         self.by_parameter.lay_out(bucket)
         numel_before = state.total_numel_after_compression
         future = powerSGD_hook.powerSGD_hook(state, bucket)
@@ -84,7 +88,24 @@ class CommHookDDP:
         q = state.q_memory_dict[bucket.index()].numel()
         # Three all-reduces, one after the other: the uncompressed tensors, then P, then Q.
         self.payloads += [n * FP32_BYTES for n in (sent - p - q, p, q) if n > 0]
-        return future
+        return self._timed(future)
+
+    def _timed(self, future):
+        """A bucket's all-reduce, issued now; its completion time noted (on the thread that completes it)."""
+        self._issued = time.perf_counter()
+
+        def completed(done):
+            self._completed = max(self._completed, time.perf_counter())
+            return done.value()
+
+        return future.then(completed)
+
+    def take_wait_s(self) -> float:
+        """The last step's wait on the network: from the last bucket's all-reduce issued (the backward's
+        compute done) to the last one completed, which the backward waits for before it returns."""
+        wait = max(0.0, self._completed - self._issued) if self._issued else 0.0
+        self._issued = self._completed = 0.0
+        return wait
 
     def take_payloads(self) -> list[int]:
         """The bytes of each all-reduce issued since the last call (one step's)."""

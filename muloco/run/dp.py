@@ -62,8 +62,14 @@ class DataParallel:
                 scale = 1.0 / (K * self.micro_batches)
                 loss_sum += forward_backward(replica.model, batches, scale, replica.device, autocast)
         # One worker computes one of the K batches: its share of this process's forward/backward time.
-        # Under DDP the all-reduces overlap the backward, so their wait is inside this time.
-        self.progress.worker_compute_s += (time.perf_counter() - t0) / len(self.streams)
+        # Under DDP the all-reduces overlap the backward, which waits for the last of them at its end: that
+        # wait is time on the network, not compute.
+        elapsed = time.perf_counter() - t0
+        if self.ddp is not None:
+            wait = self.ddp.take_wait_s()
+            self.ledger.comm_wait_s += wait
+            elapsed -= wait
+        self.progress.worker_compute_s += elapsed / len(self.streams)
 
         grads = [p.grad for p in replica.model.parameters()]
         if self.ddp is None:  # gradient all-reduce across processes: every process calls it each step
