@@ -138,7 +138,11 @@ class DiLoCo:
                 ledger=self.ledger,
             )
         except UserError as exc:  # more fragments than blocks; reduce_scatter or a whole window on a swarm
-            named = {"overlap": f"overlap={overlap}", "fragment": f"fragments={fragments}"}
+            named = {
+                "overlap": f"overlap={overlap}",
+                "eager": f"eager={eager}",
+                "fragment": f"fragments={fragments}",
+            }
             argument = next((a for key, a in named.items() if key in str(exc)), f"transport={transport!r}")
             raise ValueError(f"DiLoCo({argument}): {exc}") from None
         self.last_update_norm: float | None = None
@@ -227,6 +231,12 @@ class DiLoCo:
             )
         if self._joined:
             raise RuntimeError("DiLoCo.load_state_dict must come before the first step() or sync()")
+        if ("eager" in state["engine"]) != (self.engine.eager is not None):
+            saved = "eager" in state["engine"]
+            raise ValueError(
+                f"DiLoCo.load_state_dict: a state saved with eager={saved} into DiLoCo(eager={not saved}); "
+                f"resume with eager={saved}"
+            )
         self._resumed = True
         self.engine.load_state_dict(state["engine"])
         self.progress.load_state_dict(state["progress"])

@@ -169,3 +169,10 @@ def test_configuration_docs_are_up_to_date():
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_the_default_configs_fingerprint_is_pinned():
+    """A checkpoint resumes only under its config's fingerprint: a key added with its default must leave it
+    as it was (config/schema.py's fingerprint drops such keys), or every older run stops resuming. The value
+    of the default config since muloco 0.1.0's checkpoints (d8ec0a0): change it only on purpose."""
+    assert load_config(None, []).fingerprint() == "c4db52fb6f6e910d"

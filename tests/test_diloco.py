@@ -213,3 +213,30 @@ def test_state_of_another_format_or_a_late_load_is_refused():
     diloco.step()
     with pytest.raises(RuntimeError, match="before the first step"):
         diloco.load_state_dict(state)
+
+
+def test_a_forced_sync_with_a_short_overlap_counts_each_step_once():
+    """tau < H: the replicas train on from their own parameters after a start, so the sync in flight is
+    applied before the forced one starts (its drift is not sent twice). One worker, outer lr 1, no
+    momentum: the global parameters end where the model is."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = DiLoCo(model, opt, sync_every=2, overlap=1, outer_lr=1.0, outer_momentum=0.0)
+    for _ in range(2):
+        model(torch.randn(4, 2)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step()
+    local = [p.detach().clone() for p in model.parameters()]
+    diloco.sync()
+    for g, p in zip(diloco.global_params, local, strict=True):
+        torch.testing.assert_close(g, p)
+
+
+def test_an_eager_state_resumes_only_into_eager():
+    model = torch.nn.Linear(2, 2)
+    saved = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, overlap=1, eager=True)
+    plain = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, overlap=1)
+    with pytest.raises(ValueError, match="saved with eager=True into DiLoCo\\(eager=False\\)"):
+        plain.load_state_dict(saved.state_dict())

@@ -307,6 +307,8 @@ class Config(Section):
             del data["dp"]  # added after checkpoints existed; its other keys act only with a hook
         if data.get("sharding") == "replicate":
             del data["sharding"]  # added after checkpoints existed
+        if not data["sync"]["eager"]:
+            del data["sync"]["eager"]  # added after checkpoints existed
         if not with_layout:  # a sharded checkpoint resumes with any ranks_per_worker (checkpoint/sharded.py)
             data.pop("ranks_per_worker", None)
             data.pop("sharding", None)

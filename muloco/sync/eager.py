@@ -54,17 +54,23 @@ class EagerUpdates:
         self.fresh[position] = [d.clone() for d in delta]
 
     def arrived(self, indices: list[int], mean: list[torch.Tensor] | None) -> None:
-        """A fragment's mean arrived (the engine's finish): kept as mean_{k-1} for the next eager step."""
+        """A fragment's mean arrived (the engine's finish): kept as mean_{k-1} for the next eager step.
+        None (no usable mean: dropped, or not finite): nothing stale to stand in for, so the workers' own
+        last deltas, which no mean carried, are not taken back either."""
         for i, value in zip(indices, mean or [None] * len(indices), strict=True):
             self.last_mean[i] = None if value is None else value.clone()
+            if value is None:
+                for deltas in self.last_delta:
+                    deltas[i].zero_()
 
     @torch.no_grad()
     def step(self, indices: list[int], replicas: list) -> None:
         """Every local replica's eager outer step on the fragment at `indices`, then the replica starts its
         next window from its theta_m there."""
         for position, replica in enumerate(replicas):
-            zeros = [torch.zeros_like(self.outer.params[i]) for i in indices]
-            fresh = self.fresh.pop(position, zeros)  # left out as non-finite: delta = 0
+            fresh = self.fresh.pop(position, None)
+            if fresh is None:  # left out as non-finite: delta = 0
+                fresh = [torch.zeros_like(self.outer.params[i]) for i in indices]
             proxy = []
             for i, new in zip(indices, fresh, strict=True):
                 stale = self.last_mean[i]
@@ -88,6 +94,7 @@ class EagerUpdates:
             for delta in self.last_delta[position]:
                 delta.zero_()
         self.last_mean = [None] * len(self.last_mean)
+        self.fresh.clear()  # the final syncs' deltas: applied through the consensus, not an eager step
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -149,7 +149,14 @@ class SyncEngine:
         for fragment in self.fragments:
             fragment.unsynced = True  # the replicas took inner steps that no started sync covers yet
         final = now or self._is_last(step)
-        self._settling, records = final, []
+        self._settling = final
+        try:
+            return self._round(step, replicas, round_loss, before_start, now, final)
+        finally:
+            self._settling = False
+
+    def _round(self, step, replicas, round_loss, before_start, now: bool, final: bool) -> list[SyncRecord]:
+        records = []
         if now:
             starting = list(range(len(self.fragments)))
         elif final:
@@ -157,11 +164,14 @@ class SyncEngine:
         else:
             starting = self.schedule.starting_at(step)
         due = [s for s in self.in_flight if final or s.apply_step <= step]
-        # A due sync of a fragment that starts again now (a whole window overlapped, tau = H; the run's
-        # end) is applied right after the new one starts: the new pseudogradient is taken against the
-        # global parameters the replicas' window started from, and the merge after the outer step does
-        # not discard the window's steps (the naive delayed update: Kale et al. 2025, arXiv 2502.12996).
-        after_start = {s.fragment: s for s in due if s.fragment in starting}
+        # With a whole window overlapped (tau = H) or eager updates the replicas restart at every sync's
+        # start, so a due sync of a fragment that starts again now is applied right after the new one
+        # starts: the new pseudogradient is taken against the parameters the window started from, and the
+        # merge after the outer step does not discard the window's steps (the naive delayed update: Kale et
+        # al. 2025, arXiv 2502.12996). With tau < H the replicas still hold what the due sync sent: it is
+        # applied first (Streaming DiLoCo's merge).
+        restarts = self.schedule.overlap >= self.schedule.every or self.eager is not None
+        after_start = {s.fragment: s for s in due if restarts and s.fragment in starting}
 
         # 1. Syncs in flight that are due are applied first (at the end: all of them).
         for sync in due:
@@ -200,7 +210,6 @@ class SyncEngine:
             records.append(self.finish(sync, replicas))
         if final and self.eager is not None:
             self.eager.settle()
-        self._settling = False
         return records
 
     def next_event(self, step: int) -> int:
@@ -309,6 +318,8 @@ class SyncEngine:
             for ef in self.error_feedback:
                 if ef is not None:
                     ef.forget(part.names)
+            if self.eager is not None:  # no mean: the next proxy has nothing stale to replace
+                self.eager.arrived(part.indices, None)
             return self._record(sync, mean, None, 0)
 
         # Outer Nesterov step on the fragment's fp32 global parameters (its own momentum buffers). Never

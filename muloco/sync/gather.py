@@ -103,7 +103,7 @@ def _reset(replica, global_params: list[torch.Tensor], feedback, step: int, norm
     parameters with a fresh inner state and error-feedback buffer (they may hold the NaN)."""
     log.warning(
         "replica=%d step=%d: non-finite loss or pseudogradient (norm %s): left out of this sync and "
-        "reset to the global parameters",
+        "reset to the parameters its window started from",
         replica.index,
         step,
         norm,
