@@ -23,22 +23,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 
 class _LayerNormFunction(torch.autograd.Function):
-    """y = (x - mean) * rstd * weight + bias over the trailing `shape` dims; gradients as the module says."""
+    """y = (x - mean) * rstd * weight + bias over the trailing `shape` dims; gradients as the module says.
+    Written in functorch's form (forward without ctx, setup_context, a generated vmap rule) so that
+    simulation.batched's vmap over the replicas runs it too."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x, shape: list[int], weight, bias, eps: float):
-        y, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, weight, bias, eps)  # mean, rstd: (..., 1)
+    def forward(x, shape: list[int], weight, bias, eps: float):
+        return torch.ops.aten.native_layer_norm(x, shape, weight, bias, eps)  # y; mean, rstd: (..., 1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, shape, weight, bias, _ = inputs
+        _, mean, rstd = output
         ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.mark_non_differentiable(mean, rstd)
         ctx.shape, ctx.bias_dtype = shape, None if bias is None else bias.dtype
-        return y
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
+    def backward(ctx, dy, _mean_grad, _rstd_grad):
         x, weight, mean, rstd = ctx.saved_tensors
         needs_x, _, needs_weight, needs_bias, _ = ctx.needs_input_grad
         dx = dweight = dbias = None
@@ -64,4 +71,4 @@ class LayerNorm(nn.LayerNorm):
         shape = list(self.normalized_shape)
         if x.device.type != "cpu" or not torch.is_grad_enabled():
             return F.layer_norm(x, shape, self.weight, self.bias, self.eps)
-        return _LayerNormFunction.apply(x, shape, self.weight, self.bias, self.eps)
+        return _LayerNormFunction.apply(x, shape, self.weight, self.bias, self.eps)[0]
