@@ -45,6 +45,19 @@ class Compressor(ABC):
             self._check_header(h)
             return self.decode_sections(h, split_body(h, body))
 
+    def encode_many(self, tensors: list[torch.Tensor]) -> list[bytes]:
+        """`encode` of each tensor (a scheme may batch them; the bytes are the same)."""
+        return [self.encode(t) for t in tensors]
+
+    def encode_with_decoded(self, tensors: list[torch.Tensor]) -> tuple[list[bytes], list[torch.Tensor]]:
+        """Each tensor's payload and what `decode` makes of it (error feedback keeps the difference)."""
+        payloads = self.encode_many(tensors)
+        return payloads, [self.decode(p) for p in payloads]
+
+    def decode_many(self, payloads: list[bytes]) -> list[torch.Tensor]:
+        """`decode` of each payload (a scheme may batch them; the tensors are the same)."""
+        return [self.decode(p) for p in payloads]
+
     def _check_header(self, h: Header) -> None:
         mine = self._header_fields()
         theirs = {k: getattr(h, k) for k in mine}

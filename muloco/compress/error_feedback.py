@@ -55,6 +55,13 @@ class ErrorFeedback:
         e.sub_(compressor.decode(payload).to(e.device), alpha=self.alpha)
         return payload
 
+    def send_many(self, buffers: list[torch.Tensor], compressor: Compressor) -> list[bytes]:
+        """`send` of each buffer (or rows of one), encoded together (the same bytes, see compress/many.py)."""
+        payloads, decoded = compressor.encode_with_decoded(buffers)
+        for e, d in zip(buffers, decoded, strict=True):
+            e.sub_(d.to(e.device), alpha=self.alpha)
+        return payloads
+
     def reset(self) -> None:
         self.buffers.clear()
 

@@ -42,8 +42,9 @@ def pack_bound(bounds: list[int]) -> int:
     return _COUNT.size + sum(_LEN.size + b for b in bounds)
 
 
-def unpack(blob: bytes) -> list[bytes]:
-    """Split a message; any inconsistency raises CompressionError (checked before slicing)."""
+def unpack(blob: bytes, views: bool = False) -> list[bytes]:
+    """Split a message; any inconsistency raises CompressionError (checked before slicing). views: the
+    parts as zero-copy memoryviews into `blob` (to decode; a part sent on is copied into bytes)."""
     view = memoryview(blob)
     if len(view) < _COUNT.size:
         raise CompressionError(f"sync message of {len(view)} bytes is too short for its header")
@@ -58,7 +59,8 @@ def unpack(blob: bytes) -> list[bytes]:
         )
     parts, offset = [], header
     for length in lengths:
-        parts.append(bytes(view[offset : offset + length]))
+        part = view[offset : offset + length]
+        parts.append(part if views else bytes(part))
         offset += length
     return parts
 
@@ -70,12 +72,65 @@ def decode_payloads(
     naming the tensor otherwise): the check of every message a sync receives, whole or in parts."""
     if len(payloads) != len(shapes):
         raise CompressionError(f"sync message holds {len(payloads)} tensors, expected {len(shapes)}")
-    out = []
-    for payload, comp, name, shape in zip(payloads, compressors, names, shapes, strict=True):
-        decoded = comp.decode(payload)
-        if tuple(decoded.shape) != tuple(shape):
-            raise CompressionError(f"{name}: decoded shape {tuple(decoded.shape)} != {tuple(shape)}")
-        out.append(decoded)
+    out: list[torch.Tensor | None] = [None] * len(payloads)
+    for comp, positions in by_compressor(compressors):
+        for i, decoded in zip(positions, comp.decode_many([payloads[i] for i in positions]), strict=True):
+            if tuple(decoded.shape) != tuple(shapes[i]):
+                raise CompressionError(
+                    f"{names[i]}: decoded shape {tuple(decoded.shape)} != {tuple(shapes[i])}"
+                )
+            out[i] = decoded
+    return out
+
+
+def decode_each(
+    messages: list[bytes], compressors: list[Compressor], names: list[str], shapes: list
+) -> list[list[torch.Tensor] | CompressionError]:
+    """`decode_payloads` of each message (a `pack` of payloads), or the CompressionError it raised. The
+    messages decode in one batch; if any is malformed, each is decoded alone to tell which."""
+    try:
+        payloads = [unpack(m, views=True) for m in messages]
+        if any(len(p) != len(shapes) for p in payloads):
+            raise CompressionError("a message with another count of tensors")
+        n = len(messages)
+        flat = decode_payloads([x for p in payloads for x in p], compressors * n, names * n, list(shapes) * n)
+        return [flat[i * len(shapes) : (i + 1) * len(shapes)] for i in range(n)]
+    except CompressionError:
+        out: list[list[torch.Tensor] | CompressionError] = []
+        for message in messages:
+            try:
+                out.append(decode_payloads(unpack(message, views=True), compressors, names, shapes))
+            except CompressionError as exc:
+                out.append(exc)
+        return out
+
+
+def by_compressor(compressors: list[Compressor]) -> list[tuple[Compressor, list[int]]]:
+    """The positions of each distinct compressor, so that each encodes or decodes its tensors in one batch."""
+    groups: dict[int, tuple[Compressor, list[int]]] = {}
+    for i, comp in enumerate(compressors):
+        groups.setdefault(id(comp), (comp, []))[1].append(i)
+    return list(groups.values())
+
+
+def encode_payloads(
+    values: list[torch.Tensor],
+    compressors: list[Compressor],
+    feedback: list[bool],
+    error_feedback: ErrorFeedback | None,
+) -> list[bytes]:
+    """Each value's payload, the values of one compressor encoded in one batch. Where `feedback[i]` (and
+    there is error feedback), values[i] is an error-feedback buffer, or rows of one: it keeps the residual."""
+    out: list[bytes | None] = [None] * len(values)
+    for comp, positions in by_compressor(compressors):
+        kept = [i for i in positions if error_feedback is not None and feedback[i]]
+        plain = [i for i in positions if not (error_feedback is not None and feedback[i])]
+        if kept:
+            for i, p in zip(kept, error_feedback.send_many([values[i] for i in kept], comp), strict=True):
+                out[i] = p
+        if plain:
+            for i, p in zip(plain, comp.encode_many([values[i] for i in plain]), strict=True):
+                out[i] = p
     return out
 
 
@@ -106,17 +161,17 @@ class PseudogradientCodec:
 
     def encode(self, delta: list[torch.Tensor], error_feedback: ErrorFeedback | None = None) -> bytes:
         """One replica's message. Error feedback applies to the compressed parameters only."""
-        payloads = []
-        for name, d, comp, skipped in zip(self.names, delta, self.compressors, self.skipped, strict=True):
-            if error_feedback is not None and not skipped:
-                payloads.append(error_feedback.encode(name, d, comp))
-            else:
-                payloads.append(comp.encode(d))
-        return pack(payloads)
+        feedback = [error_feedback is not None and not skipped for skipped in self.skipped]
+        values = [
+            error_feedback.accumulate(name, d) if kept else d
+            for name, d, kept in zip(self.names, delta, feedback, strict=True)
+        ]
+        return pack(encode_payloads(values, self.compressors, feedback, error_feedback))
 
     def decode(self, message: bytes, like: list[torch.Tensor]) -> list[torch.Tensor]:
         """One replica's decoded pseudogradient (fp32, on the CPU); CompressionError if it is malformed."""
-        return decode_payloads(unpack(message), self.compressors, self.names, [t.shape for t in like])
+        shapes = [t.shape for t in like]
+        return decode_payloads(unpack(message, views=True), self.compressors, self.names, shapes)
 
     def decode_sum(self, message: bytes, out: list[torch.Tensor]) -> None:
         """Add one replica's decoded pseudogradient into `out` (in place; nothing added if malformed)."""
@@ -135,25 +190,28 @@ class PseudogradientCodec:
         messages in rank order (a process sends none for a replica left out of the sync). A message that
         does not decode is left out and logged, on every process alike (they all decode the same bytes).
         rule: sync.aggregate; a robust rule keeps every decoded message and combines them in replica order."""
+        messages = [message for blob in blobs for message in unpack(blob, views=True)]
+        if len(messages) > max_replicas:
+            raise CompressionError(
+                f"sync received {len(messages)} replica messages, more than K = {max_replicas}"
+            )
+        shapes = [t.shape for t in like]
         total = [torch.zeros_like(t) for t in like] if rule == "mean" else None
         decoded: list[list[torch.Tensor]] = []
-        seen = position = 0
-        for blob in blobs:
-            for message in unpack(blob):
-                try:
-                    if total is not None:
-                        self.decode_sum(message, total)
-                    else:
-                        values = self.decode(message, like)
-                        if not all(bool(torch.isfinite(v).all()) for v in values):
-                            raise CompressionError("non-finite values (a robust rule needs finite inputs)")
-                        decoded.append([d.to(t.device) for d, t in zip(values, like, strict=True)])
-                    seen += 1
-                except CompressionError as exc:
-                    log.warning("message=%d: left out of the mean: %s", position, exc)
-                position += 1
-        if position > max_replicas:
-            raise CompressionError(f"sync received {position} replica messages, more than K = {max_replicas}")
+        seen = 0
+        for position, values in enumerate(decode_each(messages, self.compressors, self.names, shapes)):
+            robust = total is None
+            if robust and isinstance(values, list) and not all(bool(torch.isfinite(v).all()) for v in values):
+                values = CompressionError("non-finite values (a robust rule needs finite inputs)")
+            if isinstance(values, CompressionError):
+                log.warning("message=%d: left out of the mean: %s", position, values)
+                continue
+            if robust:
+                decoded.append([d.to(t.device) for d, t in zip(values, like, strict=True)])
+            else:
+                for acc, d in zip(total, values, strict=True):
+                    acc.add_(d.to(acc.device))
+            seen += 1
         if not seen:
             return None, 0
         if total is None:
@@ -172,4 +230,14 @@ class PseudogradientCodec:
         return 8.0 * (body + _COUNT.size + _LEN.size * len(shapes))
 
 
-__all__ = ["PseudogradientCodec", "decode_payloads", "is_skipped", "pack", "pack_bound", "unpack"]
+__all__ = [
+    "PseudogradientCodec",
+    "by_compressor",
+    "decode_each",
+    "decode_payloads",
+    "encode_payloads",
+    "is_skipped",
+    "pack",
+    "pack_bound",
+    "unpack",
+]

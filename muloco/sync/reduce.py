@@ -297,14 +297,16 @@ def _start_mean_partitioned(backend: Backend, c: Contribution, workers: int) -> 
     message_bytes = c.payload_bytes
 
     def finish(received: list[bytes]) -> Mean:
-        from_processes = [unpack(blob) for blob in received]  # [process][owned part] -> packed messages
+        from_processes = [
+            unpack(blob, views=True) for blob in received
+        ]  # [process][owned part] -> packed messages
         means = []
         for i in range(k):  # the parts this process owns, in replica order of their contributions
-            messages = [m for parts in from_processes for m in unpack(parts[i])]
+            messages = [m for parts in from_processes for m in unpack(parts[i], views=True)]
             means.append(codec.average(rank * k + i, messages, c.owner_feedback[i], c.like))
         # Every process calls this all-gather at the same wait (syncs finish in the same order everywhere).
         gathered = backend.all_gather_bytes(pack(means), capacity=means_bound).wait()
-        owners = [m for blob in gathered for m in unpack(blob)]
+        owners = [m for blob in gathered for m in unpack(blob, views=True)]
         values, contributors = codec.decode_means(owners, c.like)
         sent = reduce_scatter_bytes(message_bytes, sum(map(len, owners)), workers)
         return Mean(values, contributors, workers - contributors, sent)

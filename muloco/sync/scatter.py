@@ -27,7 +27,15 @@ import struct
 import torch
 
 from muloco.compress import CompressionError, Compressor, ErrorFeedback
-from muloco.sync.codec import PseudogradientCodec, decode_payloads, pack, pack_bound, unpack
+from muloco.sync.codec import (
+    PseudogradientCodec,
+    decode_each,
+    decode_payloads,
+    encode_payloads,
+    pack,
+    pack_bound,
+    unpack,
+)
 from muloco.sync.parts import Piece, assign_parts
 
 log = logging.getLogger("muloco")
@@ -62,16 +70,17 @@ class PartitionedCodec:
             error_feedback.accumulate(name, d) if error_feedback is not None and not skipped else d
             for name, d, skipped in zip(c.names, delta, c.skipped, strict=True)
         ]
-        messages = []
-        for pieces in self.parts:
-            payloads = []
-            for piece in pieces:
-                comp, rows = c.compressors[piece.tensor], piece.of(residuals[piece.tensor])
-                if error_feedback is not None and not c.skipped[piece.tensor]:
-                    payloads.append(error_feedback.send(rows, comp))
-                else:
-                    payloads.append(comp.encode(rows))
-            messages.append(pack(payloads))
+        pieces = [piece for part in self.parts for piece in part]  # every part's, encoded in one batch
+        payloads = encode_payloads(
+            [piece.of(residuals[piece.tensor]) for piece in pieces],
+            [c.compressors[piece.tensor] for piece in pieces],
+            [not c.skipped[piece.tensor] for piece in pieces],
+            error_feedback,
+        )
+        messages, start = [], 0
+        for part in self.parts:
+            messages.append(pack(payloads[start : start + len(part)]))
+            start += len(part)
         return pack(messages)
 
     def part_bound(self, part: int) -> int:
@@ -104,25 +113,27 @@ class PartitionedCodec:
         pieces = self.parts[part]
         total = [torch.zeros_like(piece.of(like[piece.tensor]), dtype=torch.float32) for piece in pieces]
         count = 0
-        for position, message in enumerate(messages):
-            try:
-                decoded = self._decode_pieces(pieces, unpack(message), self.codec.compressors)
-            except CompressionError as exc:
-                log.warning("part=%d contribution=%d: left out of the part's mean: %s", part, position, exc)
+        names = [self.names[p.tensor] for p in pieces]
+        shapes = [p.shape(self.shapes[p.tensor]) for p in pieces]
+        compressors = [self.codec.compressors[p.tensor] for p in pieces]
+        for position, decoded in enumerate(decode_each(messages, compressors, names, shapes)):
+            if isinstance(decoded, CompressionError):
+                log.warning(
+                    "part=%d contribution=%d: left out of the part's mean: %s", part, position, decoded
+                )
                 continue
             for acc, d in zip(total, decoded, strict=True):
                 acc.add_(d.to(acc.device))
             count += 1
-        payloads = [_COUNT.pack(count)]
-        for piece, acc in zip(pieces, total, strict=True):
-            mean = acc.div_(max(count, 1))
-            comp = self.mean_compressors[piece.tensor]
-            if owner_feedback is not None and not self.codec.skipped[piece.tensor]:
-                residual = owner_feedback.accumulate(piece.key(self.names[piece.tensor]), mean)
-                payloads.append(owner_feedback.send(residual, comp))
-            else:
-                payloads.append(comp.encode(mean))
-        return pack(payloads)
+        feedback = [owner_feedback is not None and not self.codec.skipped[p.tensor] for p in pieces]
+        means = [
+            owner_feedback.accumulate(piece.key(self.names[piece.tensor]), acc.div_(max(count, 1)))
+            if kept
+            else acc.div_(max(count, 1))
+            for piece, acc, kept in zip(pieces, total, feedback, strict=True)
+        ]
+        compressors = [self.mean_compressors[p.tensor] for p in pieces]
+        return pack([_COUNT.pack(count), *encode_payloads(means, compressors, feedback, owner_feedback)])
 
     def decode_means(
         self, mean_messages: list[bytes], like: list[torch.Tensor]
@@ -135,7 +146,7 @@ class PartitionedCodec:
         fewest = None
         for part, (pieces, message) in enumerate(zip(self.parts, mean_messages, strict=True)):
             try:
-                header, *payloads = unpack(message)
+                header, *payloads = unpack(message, views=True)
                 if len(header) != _COUNT.size:
                     raise CompressionError(f"mean message header of {len(header)} bytes")
                 (count,) = _COUNT.unpack(header)
