@@ -13,10 +13,13 @@ seconds per GB of fp32 pseudogradient, through each codec and transport (issue 5
    average them. Reduce-scatter: encode its K parts, average its own part from K contributions and
    re-quantize the mean (owner error feedback), decode the K means. The other workers' messages are copies
    of its own (decoding costs the same); the collective itself (bytes over a link) is not in it:
-   bench_transport.py measures that. Reported in seconds per GB of fp32 pseudogradient.
+   bench_transport.py measures that. A sync's local cost is a sum over its tensors, so a model that does
+   not fit K times in memory (1B) is measured in runs of at most 300M parameters whose times are added.
+   One torch thread: seconds per GB of fp32 pseudogradient, per core.
 
     python experiments/benchmarks/bench_sync_cost.py --pico --old b8fa73f --repeats 3
-    python experiments/benchmarks/bench_sync_cost.py --sizes 125M,1B --repeats 3
+    python experiments/benchmarks/bench_sync_cost.py --profile     # where a pico sync's time goes
+    python experiments/benchmarks/bench_sync_cost.py --sizes 125M,1B --repeats 3   # ~25 min
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ CODECS = {
 # GPT shapes (d_model, layers) over a 50,304-token vocabulary, the embedding tied to the head: GPT-2 small
 # (124M) and a 1B model of the same form (18 x 12 x 2048**2 + 50,304 x 2048 = 1.009B).
 SIZES = {"125M": (768, 12), "1B": (2048, 18)}
+SIZE_CODECS = ("fp32", "4-bit", "2-bit")  # the headline's codecs, for the sizes not in --all-codecs
+CHUNK_PARAMS = 300_000_000  # at most ~1.2 GB of fp32 pseudogradient in memory at a time (x ~6 in a sync)
 VOCAB = 50304
 
 
@@ -109,6 +114,42 @@ def pico_child(overrides: list[str]) -> dict:
         "sync_over_compute": statistics.median(s / c for s, c in zip(sync, compute, strict=True)),
         "rounds": len(sync),
     }
+
+
+# The parts of a sync event the profile reports (cumulative time per sync): (label, file, function)
+PARTS = [
+    ("the sync event (engine.round)", "sync/engine.py", "_round"),
+    ("encode (reduce-scatter parts, error feedback)", "sync/scatter.py", "encode"),
+    ("encode (all-gather message, error feedback)", "sync/codec.py", "encode"),
+    ("part owners' means (decode K, re-quantize)", "sync/scatter.py", "average"),
+    ("decode the K means", "sync/scatter.py", "decode_means"),
+    ("decode and average (all-gather)", "sync/codec.py", "decode_mean"),
+    ("outer step", "sync/fragments.py", "outer_step"),
+    ("merge into the replicas", "sync/engine.py", "_merge"),
+]
+
+
+def profile_child(overrides: list[str]) -> dict:
+    """One pico run under cProfile: ms per sync in each of PARTS (cProfile slows Python-heavy code more
+    than torch's kernels, so these are shares to compare, not the benchmark's times)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    timed = pico_child(overrides)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, function): (cc, nc, tottime, cumtime, callers)}
+    syncs = timed["rounds"] + SKIP_ROUNDS
+    parts = {}
+    for label, path, function in PARTS:
+        cum = sum(v[3] for k, v in stats.items() if k[0].endswith(path) and k[2] == function)
+        if cum:
+            parts[label] = round(1e3 * cum / syncs, 2)
+    compute = sum(
+        v[3] for k, v in stats.items() if k[0].endswith("run/inner_steps.py") and k[2] == "run_until"
+    )
+    return {"ms_per_sync": parts, "compute_ms_per_round": round(1e3 * compute / syncs, 1), "syncs": syncs}
 
 
 def run_pico(revision: str | None, overrides: list[str], worktree: Path | None) -> dict:
@@ -209,33 +250,63 @@ def one_sync(transport: str, codec_cfg: dict, names, shapes, delta, workers: int
     return time.perf_counter() - t
 
 
-def sizes(args) -> dict:
+def sizes(args, saved: dict) -> None:
+    """Fills saved["sizes"], written to --out after each size (a long run keeps what it measured)."""
     import torch
 
     torch.set_num_threads(1)
-    results = {}
+    results = saved.setdefault("sizes", {}).setdefault("results", {})
+    saved["sizes"].update({"workers": args.workers, "repeats": args.repeats, "threads": 1})
     for size in args.sizes.split(","):
-        names, shapes = zip(*gpt_shapes(*SIZES[size]), strict=True)
-        names, shapes = list(names), list(shapes)
-        numel = sum(torch.Size(s).numel() for s in shapes)
-        delta = synthetic(shapes, seed=0)
+        params = gpt_shapes(*SIZES[size])
+        numel = sum(torch.Size(s).numel() for _, s in params)
         gb = 4 * numel / 1e9
-        print(f"\n{size}: {numel / 1e6:.0f}M parameters, {gb:.2f} GB fp32, {len(shapes)} tensors", flush=True)
-        for transport in args.transports.split(","):
-            for codec in CODECS:
-                times = []
-                for _ in range(args.repeats):
-                    times.append(one_sync(transport, CODECS[codec], names, shapes, delta, args.workers))
-                key = f"{size} {transport} {codec}"
-                results[key] = {
-                    "params": numel, "gb_fp32": gb, "s_median": statistics.median(times),
-                    "s_per_gb": statistics.median(times) / gb, "s_min": min(times), "s_max": max(times),
-                }  # fmt: skip
-                r = results[key]
-                print(f"{key:<34} {r['s_median']:>7.2f} s  {r['s_per_gb']:>6.2f} s/GB "
-                      f"({r['s_min']:.2f}-{r['s_max']:.2f} s)", flush=True)  # fmt: skip
-        del delta
-    return {"workers": args.workers, "repeats": args.repeats, "threads": 1, "results": results}
+        codecs = CODECS if size in args.all_codecs.split(",") else {k: CODECS[k] for k in SIZE_CODECS}
+        chunks = chunked(params, CHUNK_PARAMS)
+        print(f"\n{size}: {numel / 1e6:.0f}M parameters, {gb:.2f} GB fp32, {len(params)} tensors, "
+              f"{len(chunks)} chunk(s)", flush=True)  # fmt: skip
+        cases = [(t, c) for t in args.transports.split(",") for c in codecs]
+        times = {case: [0.0] * args.repeats for case in cases}
+        for seed, chunk in enumerate(chunks):
+            names, shapes = [n for n, _ in chunk], [s for _, s in chunk]
+            delta = synthetic(shapes, seed)
+            for rep in range(args.repeats):
+                for transport, codec in cases:  # interleaved within each repetition
+                    times[(transport, codec)][rep] += one_sync(transport, CODECS[codec], names, shapes, delta,
+                                                               args.workers)  # fmt: skip
+            del delta
+        for (transport, codec), ts in times.items():
+            key = f"{size} {transport} {codec}"
+            results[key] = {
+                "params": numel, "gb_fp32": gb, "chunks": len(chunks), "s_median": statistics.median(ts),
+                "s_per_gb": statistics.median(ts) / gb, "s_min": min(ts), "s_max": max(ts),
+            }  # fmt: skip
+            r = results[key]
+            print(f"{key:<34} {r['s_median']:>7.2f} s  {r['s_per_gb']:>6.2f} s/GB "
+                  f"({r['s_min']:.2f}-{r['s_max']:.2f} s)", flush=True)  # fmt: skip
+        write(args.out, saved)
+
+
+def chunked(params: list, limit: int) -> list[list]:
+    """The parameters in runs of at most `limit` elements (a tensor larger than it alone): one sync's local
+    cost is a sum over its tensors, so a model that does not fit K times in memory is measured a run at a
+    time and the times added."""
+    chunks, current, size = [], [], 0
+    for name, shape in params:
+        n = 1
+        for d in shape:
+            n *= d
+        if current and size + n > limit:
+            chunks.append(current)
+            current, size = [], 0
+        current.append((name, shape))
+        size += n
+    return [*chunks, current] if current else chunks
+
+
+def write(out: Path, saved: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(saved, indent=1) + "\n")
 
 
 def git_head() -> str:
@@ -249,26 +320,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pico", action="store_true")
     ap.add_argument("--pico-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help="one pico run under cProfile: a sync's parts")
     ap.add_argument("--old", help="a git revision to run beside this tree (--pico)")
     ap.add_argument("--overrides", nargs="*", default=[], help="config overrides for the pico runs")
     ap.add_argument("--sizes", default="", help="comma-separated of 125M,1B")
     ap.add_argument("--transports", default="all_gather,reduce_scatter")
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument(
+        "--all-codecs", default="125M", help="sizes measured with every codec (others: fp32, 4-bit, 2-bit)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     if args.pico_child:
         print(json.dumps(pico_child(args.overrides)))
         return
+    if args.profile:
+        profiled = profile_child(args.overrides)
+        for label, ms in profiled["ms_per_sync"].items():
+            print(f"{label:<48} {ms:>8.2f} ms a sync")
+        print(f"{'compute of a round (K replicas)':<48} {profiled['compute_ms_per_round']:>8.1f} ms")
     saved = json.loads(args.out.read_text()) if args.out.exists() else {}
     saved["setup"] = {"torch_threads": 1, "machine": platform.machine(), "cpu_count": os.cpu_count(),
                       "python": platform.python_version(), "head": git_head()}  # fmt: skip
     if args.pico:
         saved["pico"] = pico(args)
+    if args.profile:
+        saved["pico_profile"] = {"overrides": [*PICO, *args.overrides], **profiled}
     if args.sizes:
-        saved["sizes"] = sizes(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(saved, indent=1) + "\n")
+        sizes(args, saved)
+    write(args.out, saved)
     print(f"\nwrote {args.out}")
 
 

@@ -105,6 +105,15 @@ class DpConfig(Section):
         "with its bf16_compress_hook or powerSGD_hook (torch.distributed.algorithms.ddp_comm_hooks), over "
         "backend.kind=torch with one process per worker.",
     )
+    bucket_mb: float | None = Field(
+        None,
+        gt=0,
+        le=1024,
+        description="Size of DDP's gradient buckets in MiB: each bucket's all-reduce starts once its "
+        "gradients are ready, overlapping the rest of the backward, but costs its own round trips. "
+        "None: torch's defaults (a 1 MiB first bucket, then 25 MiB). Where the maths runs, not what it "
+        "is: not in the fingerprint.",
+    )
     powersgd_rank: int = Field(
         4,
         ge=1,

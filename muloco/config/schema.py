@@ -45,6 +45,7 @@ NOT_FINGERPRINTED_KEYS = (
     "train.eval_tokens",
     "train.max_bad_syncs",
     "model.compile",
+    "dp.bucket_mb",
 )
 
 
@@ -150,13 +151,13 @@ class Config(Section):
                 "hivemind swarm's groups change every sync, so its peers all-gather (docs/backends.md): set "
                 "sync.transport=auto or all_gather"
             )
-        if self.sync.overlap >= self.sync.every and self.backend.kind in ("torchft", "hivemind"):
-            # Their heal and catch-up hand over the state between syncs, and with a whole window
+        if self.sync.overlap >= self.sync.every and self.backend.kind == "hivemind":
+            # A swarm's catch-up hands a peer's state over at any time, and with a whole window
             # overlapped a sync is always in flight (docs/streaming.md).
             raise ValueError(
                 f"sync.overlap={self.sync.overlap} (a whole window, H = {self.sync.every}) keeps a sync in "
-                f"flight at every sync, which backend.kind={self.backend.kind}'s heal and catch-up do not "
-                f"carry yet; use backend.kind local or torch, or sync.overlap < {self.sync.every}"
+                "flight at all times, which backend.kind=hivemind's catch-up does not carry yet; use "
+                f"backend.kind local, torch or torchft, or sync.overlap < {self.sync.every}"
             )
         if self.sync.eager and (self.backend.kind in ("torchft", "hivemind") or self.sharding == "fsdp"):
             where = f"backend.kind={self.backend.kind}" if self.sharding != "fsdp" else "sharding=fsdp"

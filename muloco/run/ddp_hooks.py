@@ -43,7 +43,8 @@ class CommHookDDP:
         # e.g. rotary tables, do not train). torch 2.13 deprecates the name for one torch 2.9 lacks.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            self.module = DistributedDataParallel(model, broadcast_buffers=False)
+            buckets = {} if cfg.bucket_mb is None else {"bucket_cap_mb": cfg.bucket_mb}
+            self.module = DistributedDataParallel(model, broadcast_buffers=False, **buckets)
         self.payloads: list[int] = []  # bytes of each all-reduce issued since take_payloads()
         # When the last bucket's all-reduce was issued (its gradients ready: the backward's compute is done)
         # and when the last one completed: the backward's wait on the network is the gap (take_wait_s).

@@ -43,6 +43,7 @@ class DataParallel:
         self.guard = BadSyncGuard(progress, workers, max_bad_syncs)
         self.progress, self.ledger, self.wan = progress, ledger, wan
         self.grad_bytes = 4 * sum(p.numel() for p in replica.model.parameters())  # fp32 gradients
+        self.bucket_bytes: list[int] = []  # the last step's all-reduces (summary.json's dp_bucket_bytes)
         self.ddp = ddp  # torch's DDP averages (dp.comm_hook: and compresses) during the backward
 
     def step(self, lr_multiplier: float, autocast) -> tuple[float, int]:
@@ -92,6 +93,7 @@ class DataParallel:
         self.progress.worker_compute_s += time.perf_counter() - t0
         self.progress.steps = step
         payloads = self.ddp.take_payloads() if self.ddp is not None else [self.grad_bytes]
+        self.bucket_bytes = payloads
         self.ledger.count(sum(ring_allreduce_bytes(payload, K) for payload in payloads))
         if self.wan.link is not None:
             self.wan.project(sum(allreduce_seconds(self.wan.link, payload, K) for payload in payloads), 0)

@@ -77,7 +77,7 @@ def build_summary(
         **config_figures(cfg),
         # sync.transport as resolved (auto -> all_gather | reduce_scatter; fp32 and dp: all_reduce)
         "transport": getattr(components.get("engine"), "transport", "all_reduce"),
-        **({"dp_gradients": components["dp"].gradient_sync} if "dp" in components else {}),
+        **(dp_figures(components["dp"]) if "dp" in components else {}),
         "tokens_seen": tokens,
         **components["progress"].summary(),
         **components["ledger"].summary(),
@@ -97,3 +97,9 @@ def build_summary(
         "muloco_version": __version__,
         "status": status,
     }
+
+
+def dp_figures(dp) -> dict[str, Any]:
+    """How method dp moved its gradients: torch_ddp or all_reduce, and the bytes of each all-reduce of the
+    last step (DDP's buckets as it laid them out; the flat all-reduce's one)."""
+    return {"dp_gradients": dp.gradient_sync, "dp_bucket_bytes": dp.bucket_bytes}

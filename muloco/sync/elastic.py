@@ -90,7 +90,8 @@ class ElasticReducer:
     # reduce_scatter's two collectives would leave its parts' means with no owner to send them, and a
     # healer joining a sync has no parts to own (docs/transport.md, "Backends").
     transports = ("all_gather",)
-    whole_window = False  # its state hand-over: no sync in flight, one outer state (reduce.py's Reducer)
+    # Its heal hands over one outer state at a quorum, where no sync is in flight (reduce.py's Reducer).
+    whole_window, eager_updates = True, False
 
     def __init__(self, section: TorchftBackendConfig, workers: int, topology: Topology | None = None) -> None:
         self.section, self.workers = section, workers
@@ -137,8 +138,9 @@ class ElasticReducer:
 
     # -- the state a healthy member serves and a healing one adopts ------------------------------------
     def _serve_state(self) -> dict[str, Any]:
-        """Served during this member's quorum, i.e. at the start of a sync. No other sync is in flight
-        then (tau < H / P: each is applied before the next starts), so the state is whole."""
+        """Served during this member's quorum, i.e. at the start of a sync's mean. No other sync is in
+        flight then (tau < H / P: each is applied before the next starts; a whole window, tau = H: the due
+        one is applied once the new pseudogradient is taken, before its quorum), so the state is whole."""
         tensors, meta = self._state.export_state()
         syncing = self._syncing
         apply_step = syncing.apply_step if syncing.apply_step is not None else syncing.step

@@ -165,11 +165,12 @@ class SyncEngine:
             starting = self.schedule.starting_at(step)
         due = [s for s in self.in_flight if final or s.apply_step <= step]
         # With a whole window overlapped (tau = H) or eager updates the replicas restart at every sync's
-        # start, so a due sync of a fragment that starts again now is applied right after the new one
-        # starts: the new pseudogradient is taken against the parameters the window started from, and the
-        # merge after the outer step does not discard the window's steps (the naive delayed update: Kale et
-        # al. 2025, arXiv 2502.12996). With tau < H the replicas still hold what the due sync sent: it is
-        # applied first (Streaming DiLoCo's merge).
+        # start, so a due sync of a fragment that starts again now is applied once the new pseudogradient
+        # is taken, against the parameters the window started from, and before its mean starts: the merge
+        # after the outer step does not discard the window's steps (the naive delayed update: Kale et al.
+        # 2025, arXiv 2502.12996), and a torchft quorum, formed as the mean starts, hands over a whole state
+        # (no sync in flight). With tau < H the replicas still hold what the due sync sent: it is applied
+        # first (Streaming DiLoCo's merge).
         restarts = self.schedule.overlap >= self.schedule.every or self.eager is not None
         after_start = {s.fragment: s for s in due if restarts and s.fragment in starting}
 
@@ -187,10 +188,15 @@ class SyncEngine:
             fragment, starting = starting[0], starting[1:]
             at = self.progress.steps  # a moved sync (below) set it to the quorum's
             loss = round_loss() if round_loss is not None else SumCount()
-            sync = self.start(fragment, contributing, at, loss, delay=0 if now else None)
-            if fragment in after_start:
-                records.append(self.finish(after_start.pop(fragment), replicas))
-            elif self.schedule.overlap >= self.schedule.every and self.eager is None and not final:
+            due_now = after_start.pop(fragment, None)
+            apply_due = (
+                None if due_now is None else lambda s=due_now: records.append(self.finish(s, replicas))
+            )
+            sync = self.start(
+                fragment, contributing, at, loss, delay=0 if now else None, before_mean=apply_due
+            )
+            first_of_window = self.schedule.overlap >= self.schedule.every and self.eager is None
+            if due_now is None and first_of_window and not final:
                 # A whole window's first sync: no mean has arrived to apply, and the replicas restart from
                 # the global parameters all the same (the delayed update's first, empty outer step).
                 self._merge(self.fragments[fragment], contributing)
@@ -226,17 +232,25 @@ class SyncEngine:
     # -- a sync ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def start(
-        self, fragment: int, replicas: list, step: int, loss: SumCount | None = None, delay: int | None = None
+        self,
+        fragment: int,
+        replicas: list,
+        step: int,
+        loss: SumCount | None = None,
+        delay: int | None = None,
+        before_mean: Callable[[], None] | None = None,
     ) -> InFlightSync:
         """Fragment `fragment`'s pseudogradients, compressed, and their mean started, to be applied `delay`
         steps later (default: tau, 0 at the run's last step). Every process calls this for the same
         fragments in the same order (the reducer's collectives). `loss`: the caller's train losses to
-        report with the sync."""
+        report with the sync; `before_mean`: called between the two (round: a due sync applied)."""
         part = self.fragments[fragment]
         delay = self.delay(step) if delay is None else delay
         with record_function("muloco::pseudogradients"):
             gathered = gather(part, replicas, step, self)
         part.unsynced = False
+        if before_mean is not None:
+            before_mean()
         with record_function("muloco::reduce"):
             pending = self._start_mean(part, gathered, step, step + delay, absent=not replicas)
         payload, norms, cosine = gathered.payload_bytes(), gathered.norms, gathered.cosine()

@@ -132,10 +132,12 @@ class Reducer(Protocol):
     workers: int | None  # K when fixed (collectives); None for a swarm, whose groups come and go
     # The compressed transports it can carry; sync.transport=auto picks only among these (transport.py).
     transports: tuple[str, ...]
-    # Whether it carries a whole window overlapped (sync.overlap = H: a sync in flight at every start) and
-    # eager updates (each worker's own outer state). A swarm's catch-up and torchft's heal hand one state
-    # over between syncs.
+    # Whether it carries a whole window overlapped (sync.overlap = H: a sync in flight at every start), and
+    # eager updates (each worker's own outer state). A swarm's catch-up hands a state over at any time;
+    # torchft's heal at a quorum, where a whole window's due sync is already applied (engine.round), but
+    # one outer state only.
     whole_window: bool
+    eager_updates: bool
 
     def local_replicas(self, workers: int) -> list[int]:
         """The global indices of the replicas this process hosts."""
@@ -166,15 +168,14 @@ class Reducer(Protocol):
 
 def check_whole_window(reducer: Reducer, sync) -> None:
     """A whole window overlapped (sync.overlap = H) or eager updates only on a reducer that carries them
-    (`whole_window`; one that does not declare it, a user's own through the Python API, is taken to)."""
-    if getattr(reducer, "whole_window", True):
-        return
-    if sync.overlap >= sync.every:
+    (`whole_window`, `eager_updates`; one that does not declare them, a user's own through the Python API,
+    is taken to)."""
+    if sync.overlap >= sync.every and not getattr(reducer, "whole_window", True):
         raise UserError(
             f"sync.overlap={sync.overlap} (a whole window) keeps a sync in flight at every sync, which this "
             f"backend's state hand-over does not carry yet; use sync.overlap < {sync.every}"
         )
-    if sync.eager:
+    if sync.eager and not getattr(reducer, "eager_updates", True):
         raise UserError(
             "sync.eager keeps each worker's own outer parameters, which this backend's state hand-over "
             "does not carry yet; use sync.eager=false"
@@ -189,7 +190,7 @@ class CollectiveReducer:
     workers have no lead: every rank averages its rows with the same rank of the other workers."""
 
     transports = ALL_TRANSPORTS
-    whole_window = True
+    whole_window = eager_updates = True
 
     def __init__(self, topology: Topology, workers: int) -> None:
         self.topology, self.workers = topology, workers

@@ -80,7 +80,9 @@ def peer_index(section: HivemindBackendConfig, workers: int) -> int:
 class SwarmReducer:
     # A swarm's group changes every sync (matchmaking), so no part has a fixed owner: all_gather only.
     transports = ("all_gather",)
-    whole_window = False  # its state hand-over: no sync in flight, one outer state (reduce.py's Reducer)
+    # Its catch-up hands a peer's state over at any time (a whole window keeps a sync in flight at all
+    # times) and one outer state (reduce.py's Reducer).
+    whole_window = eager_updates = False
 
     def __init__(self, section: HivemindBackendConfig, workers: int | None = None, tolerate: int = 0) -> None:
         """workers: K of `muloco train` (the peer indices' range, the WAN projection); None in the Python

@@ -174,6 +174,17 @@ def test_dp_over_processes_equals_simulated_dp(tmp_path, TINY):
         sim.replicas[0].model.parameters(), state["replicas"][0]["model"].items(), strict=True
     ):
         assert torch.allclose(a.detach(), b, rtol=1e-5, atol=1e-6), name
+    # Smaller buckets (dp.bucket_mb): more all-reduces a step, the same gradients.
+    assert summary["dp_bucket_bytes"] == [sum(simulated["dp_bucket_bytes"])]  # TINY fits one 1 MiB bucket
+    result = launch(2, [*common, "run.name=p2b", "dp.bucket_mb=0.01"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    buckets = json.loads((tmp_path / "p2b" / "summary.json").read_text())["dp_bucket_bytes"]
+    assert len(buckets) > 1 and sum(buckets) == sum(simulated["dp_bucket_bytes"]), buckets
+    state = load_checkpoint(list_checkpoints(tmp_path / "p2b" / "checkpoints")[-1])
+    for a, (name, b) in zip(
+        sim.replicas[0].model.parameters(), state["replicas"][0]["model"].items(), strict=True
+    ):
+        assert torch.allclose(a.detach(), b, rtol=1e-5, atol=1e-6), name
 
 
 def test_mismatched_configs_across_ranks_stop_with_a_clear_message(tmp_path, TINY):

@@ -32,6 +32,8 @@ STREAMING = [
     "sync.fragments=2",
     "sync.overlap=1",
 ]  # fragment 0 syncs at steps 3, 6, ..., fragment 1 at 1, 4, ...
+# A whole window overlapped (tau = H = 3): the sync started after round r applied after round r + 1.
+WHOLE_WINDOW = ["sync.overlap=3"]
 
 
 def common(tmp_path, TINY, outer_steps=8, every=3):
@@ -52,6 +54,7 @@ EQUALITY_CASES = {
     # Compressed: every member decodes every message in the same order as the torch ranks.
     "muon-statistical4-ef": (["inner.optimizer=muon", *STAT4_EF, "sync.transport=all_gather"], 0.0),
     "adamw-streaming": (["inner.optimizer=adamw", *STREAMING], 1e-6),  # a quorum per fragment's sync
+    "muon-stat4-ef-window": (["inner.optimizer=muon", *STAT4_EF, *WHOLE_WINDOW], 0.0),
 }
 
 
@@ -135,7 +138,7 @@ def test_a_killed_worker_does_not_stop_the_others(tmp_path, TINY, sync):
     assert_same_global_params(tmp_path / "ft-worker0", tmp_path / "ft-worker1")
 
 
-@pytest.mark.parametrize("sync", [[], STREAMING], ids=["whole-model", "streaming"])
+@pytest.mark.parametrize("sync", [[], STREAMING, WHOLE_WINDOW], ids=["whole-model", "streaming", "window"])
 # Time (~24 s a case): the lighthouse must drop the victim (heartbeat_timeout_s=15, the margin a
 # replacement needs to start on 2 busy cores) before the survivors' quorum lets the replacement join.
 def test_a_restarted_worker_recovers_the_state_live_and_ends_equal(tmp_path, TINY, sync):
@@ -164,7 +167,7 @@ def test_a_restarted_worker_recovers_the_state_live_and_ends_equal(tmp_path, TIN
     assert len(adopted) == 1 and "step=0 " not in adopted[0]
     records = sync_records(tmp_path / "back")
     assert records[0]["healed"] and records[0]["quorum_size"] == 3 and records[-1]["step"] == 24
-    if sync:  # its first sync is the quorum's: the fragment and step the others synced
+    if sync == STREAMING:  # its first sync is the quorum's: the fragment and step the others synced
         survivor = {(r["fragment"], r["started_step"]) for r in sync_records(tmp_path / "ft-worker0")}
         assert (records[0]["fragment"], records[0]["started_step"]) in survivor
         assert f"joining its sync of fragment {records[0]['fragment']} " in adopted[0]
