@@ -31,8 +31,8 @@ COMPRESSIONS = {
     "stat4": ["compression.scheme=statistical", "compression.bits=4"],
     "stat2-ef": ["compression.scheme=statistical", "compression.bits=2", "compression.error_feedback=true"],
 }
-# window: a whole window overlapped (tau = H = 3), eager: with eager updates; local and torch carry both,
-# torchft a whole window, hivemind refuses both.
+# window: a whole window overlapped (tau = H = 3), eager: with eager updates; local, torch and torchft
+# carry both, hivemind refuses them.
 FRAGMENTS = {
     "whole": [],
     "streaming": ["sync.fragments=2", "sync.overlap=1"],
@@ -130,7 +130,7 @@ def test_every_backend_at_the_defaults(tmp_path, backend, K):
         # A full group starts at once; 2 busy cores: a download is not given up under load.
         "hivemind": ["backend.hivemind.target_group_size=" + str(K), "backend.hivemind.averaging_timeout=15"],
     }.get(backend, [])
-    carries = {"torch": ("window", "eager"), "torchft": ("window",)}.get(backend, ())
+    carries = ("window", "eager") if backend in ("torch", "torchft") else ()
     carried = [(c, f) for c, f in CASES if f not in ("window", "eager") or f in carries]
     cases = [
         {
@@ -191,7 +191,7 @@ def test_workers_of_two_ranks_at_the_defaults(tmp_path, backend, nproc, K):
         (["backend.kind=torchft", "sync.transport=reduce_scatter"], "sync.transport=reduce_scatter"),
         (["sync.aggregate=median", "sync.transport=reduce_scatter"], "sync.aggregate=median"),
         (["backend.kind=hivemind", "sync.overlap=3"], "sync.overlap=3"),
-        (["backend.kind=torchft", "sync.overlap=2", "sync.eager=true"], "sync.eager"),
+        (["backend.kind=hivemind", "sync.overlap=2", "sync.eager=true"], "sync.eager"),
         (["sync.eager=true"], "sync.eager"),
         (
             ["sharding=fsdp", "ranks_per_worker=2", "backend.kind=torch", "train.micro_batch_tokens=32"]

@@ -159,11 +159,12 @@ class Config(Section):
                 "flight at all times, which backend.kind=hivemind's catch-up does not carry yet; use "
                 f"backend.kind local, torch or torchft, or sync.overlap < {self.sync.every}"
             )
-        if self.sync.eager and (self.backend.kind in ("torchft", "hivemind") or self.sharding == "fsdp"):
+        if self.sync.eager and (self.backend.kind == "hivemind" or self.sharding == "fsdp"):
             where = f"backend.kind={self.backend.kind}" if self.sharding != "fsdp" else "sharding=fsdp"
             raise ValueError(
                 f"sync.eager keeps each worker's own outer parameters, which {where} does not hand over or "
-                "shard yet; use backend.kind local or torch with sharding=replicate, or sync.eager=false"
+                "shard yet; use backend.kind local, torch or torchft with sharding=replicate, or "
+                "sync.eager=false"
             )
         if self.method == "dp" and self.sync.streaming:
             raise ValueError(

@@ -20,6 +20,8 @@ What we decided where the paper is silent:
   and last delta_m are checkpointed beside them, so a resume is exact.
 - At the run's last step (or `DiLoCo.sync()`) the final syncs are applied to the consensus and every
   replica loads it: the run ends on one model, as DiLoCo does.
+- A torchft heal hands over the consensus (parameters and momentum), never a worker's own outer state: the
+  healed worker restarts its theta_m and u_m from the consensus, with no delta of its own in flight.
 - A worker's own delta in the proxy is its exact fp32 one (it never travels); the mean carries what the
   codec sent. Under compression the difference is corrected a window later, when the mean arrives.
 """
@@ -95,6 +97,22 @@ class EagerUpdates:
                 delta.zero_()
         self.last_mean = [None] * len(self.last_mean)
         self.fresh.clear()  # the final syncs' deltas: applied through the consensus, not an eager step
+
+    @torch.no_grad()
+    def restart_from_consensus(self) -> None:
+        """A torchft heal (engine.adopt_state): this worker adopted a member's consensus parameters and
+        momentum and joins the quorum's sync with nothing of its own. It restarts its own outer state from
+        them: theta_m and u_m the consensus', no delta of its own in any mean (last delta 0), and no stale
+        mean yet (the next one arrives with the sync it joined, before its next eager step)."""
+        for position in range(len(self.params)):
+            for mine, consensus in zip(self.params[position], self.outer.params, strict=True):
+                mine.copy_(consensus)
+            for mine, consensus in zip(self.momentum[position], self.outer.momentum_buffers, strict=True):
+                mine.copy_(consensus)
+            for delta in self.last_delta[position]:
+                delta.zero_()
+        self.last_mean = [None] * len(self.last_mean)
+        self.fresh.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {

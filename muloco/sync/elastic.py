@@ -90,8 +90,9 @@ class ElasticReducer:
     # reduce_scatter's two collectives would leave its parts' means with no owner to send them, and a
     # healer joining a sync has no parts to own (docs/transport.md, "Backends").
     transports = ("all_gather",)
-    # Its heal hands over one outer state at a quorum, where no sync is in flight (reduce.py's Reducer).
-    whole_window, eager_updates = True, False
+    # Its heal hands over the outer state at a quorum, where no sync is in flight; under eager updates the
+    # consensus, from which the healer restarts its own (eager.py; reduce.py's Reducer).
+    whole_window = eager_updates = True
 
     def __init__(self, section: TorchftBackendConfig, workers: int, topology: Topology | None = None) -> None:
         self.section, self.workers = section, workers

@@ -436,6 +436,8 @@ class SyncEngine:
         for replica in replicas:
             replica.load_global(self.outer.params)
             replica.inner_steps = p.steps
+        if self.eager is not None:
+            self.eager.restart_from_consensus()
         for fragment in self.fragments:
             fragment.unsynced = False  # the replicas hold no steps of their own yet
         # Error-feedback residuals were left by messages encoded from the old global parameters.

@@ -134,8 +134,8 @@ class Reducer(Protocol):
     transports: tuple[str, ...]
     # Whether it carries a whole window overlapped (sync.overlap = H: a sync in flight at every start), and
     # eager updates (each worker's own outer state). A swarm's catch-up hands a state over at any time;
-    # torchft's heal at a quorum, where a whole window's due sync is already applied (engine.round), but
-    # one outer state only.
+    # torchft's heal at a quorum, where a whole window's due sync is already applied (engine.round), and
+    # under eager updates the consensus, from which the healer restarts its own (eager.py).
     whole_window: bool
     eager_updates: bool
 

@@ -55,6 +55,7 @@ EQUALITY_CASES = {
     "muon-statistical4-ef": (["inner.optimizer=muon", *STAT4_EF, "sync.transport=all_gather"], 0.0),
     "adamw-streaming": (["inner.optimizer=adamw", *STREAMING], 1e-6),  # a quorum per fragment's sync
     "muon-stat4-ef-window": (["inner.optimizer=muon", *STAT4_EF, *WHOLE_WINDOW], 0.0),
+    "muon-stat4-ef-eager": (["inner.optimizer=muon", *STAT4_EF, *WHOLE_WINDOW, "sync.eager=true"], 0.0),
 }
 
 
@@ -138,7 +139,11 @@ def test_a_killed_worker_does_not_stop_the_others(tmp_path, TINY, sync):
     assert_same_global_params(tmp_path / "ft-worker0", tmp_path / "ft-worker1")
 
 
-@pytest.mark.parametrize("sync", [[], STREAMING, WHOLE_WINDOW], ids=["whole-model", "streaming", "window"])
+@pytest.mark.parametrize(
+    "sync",
+    [[], STREAMING, WHOLE_WINDOW, [*WHOLE_WINDOW, "sync.eager=true"]],
+    ids=["whole-model", "streaming", "window", "eager"],
+)
 # Time (~24 s a case): the lighthouse must drop the victim (heartbeat_timeout_s=15, the margin a
 # replacement needs to start on 2 busy cores) before the survivors' quorum lets the replacement join.
 def test_a_restarted_worker_recovers_the_state_live_and_ends_equal(tmp_path, TINY, sync):

@@ -442,3 +442,27 @@ def test_evaluation_uses_the_global_parameters(tiny):
         model.eval()
         losses = [model(x, y).item() for x, y in trainer.val_set]
     assert evaluated == pytest.approx(sum(losses) / len(losses), rel=1e-6)
+
+
+def test_a_heal_under_eager_updates_restarts_each_workers_outer_state_from_the_consensus(tiny):
+    """What a torchft heal hands over under eager updates: the consensus parameters and momentum (its
+    export_state); the healed worker's own theta_m and u_m restart from them, with no delta of its own in
+    any mean and its replicas on theta_m (tests/comm/test_torchft.py runs the heal over processes)."""
+    overrides = ["sync.every=4", "sync.overlap=4", "sync.eager=true", f"train.total_tokens={512 * 10}"]
+    trainer = Trainer(load_config(None, [*tiny, *STREAMING, *overrides]))
+    trainer.run()
+    engine = trainer.engine
+    eager = engine.eager
+    donor, meta = engine.export_state()
+    donor = [t.clone().add_(0.25) for t in donor]  # another member's state: not this worker's
+    eager.last_delta[0][0].fill_(1.0)
+    engine.adopt_state(donor, meta, trainer.replicas)
+    n = len(engine.outer.params)
+    for position, replica in enumerate(trainer.replicas):
+        assert all(torch.equal(a, b) for a, b in zip(eager.params[position], donor[:n], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(eager.momentum[position], donor[n:], strict=True))
+        assert all(not d.any() for d in eager.last_delta[position])
+        assert all(
+            torch.equal(p, b) for p, b in zip(params_of(replica.model), eager.base(position), strict=True)
+        )
+    assert eager.last_mean == [None] * n and not eager.fresh
