@@ -254,8 +254,11 @@ def sizes(args, saved: dict) -> None:
     """Fills saved["sizes"], written to --out after each size (a long run keeps what it measured)."""
     import torch
 
+    from muloco.allocator import keep_freed_memory
+
     torch.set_num_threads(1)
-    results = saved.setdefault("sizes", {}).setdefault("results", {})
+    kept = args.allocator == "keep" and keep_freed_memory()  # as `muloco train` runs (muloco/allocator.py)
+    results = saved.setdefault("sizes", {}).setdefault("results" if not kept else "results_kept_memory", {})
     saved["sizes"].update({"workers": args.workers, "repeats": args.repeats, "threads": 1})
     for size in args.sizes.split(","):
         params = gpt_shapes(*SIZES[size])
@@ -326,6 +329,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="", help="comma-separated of 125M,1B")
     ap.add_argument("--transports", default="all_gather,reduce_scatter")
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--allocator", choices=("system", "keep"), default="keep",
+                    help="--sizes: glibc's defaults, or freed memory kept (as `muloco train`)")  # fmt: skip
     ap.add_argument(
         "--all-codecs", default="125M", help="sizes measured with every codec (others: fp32, 4-bit, 2-bit)"
     )

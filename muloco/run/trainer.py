@@ -20,6 +20,7 @@ from typing import Any
 
 from torch.profiler import record_function
 
+from muloco.allocator import keep_freed_memory
 from muloco.comm import Backend, build_backend
 from muloco.comm.topology import build_topology
 from muloco.config import Config
@@ -62,6 +63,7 @@ __all__ = ["EXIT_INTERRUPTED", "Trainer", "train"]
 
 class Trainer:
     def __init__(self, cfg: Config, backend: Backend | None = None) -> None:
+        keep_freed_memory()  # each sync's large buffers reused, not faulted anew (muloco/allocator.py)
         self.cfg = cfg
         self.backend = backend or build_backend(cfg)
         self.reducer: Reducer | None = None
