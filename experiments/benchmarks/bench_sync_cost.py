@@ -314,9 +314,12 @@ def write(out: Path, saved: dict) -> None:
 
 def git_head() -> str:
     """HEAD's short hash, with a + where the working tree differs from it."""
-    run = lambda *cmd: subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    dirty = run("git", "status", "--porcelain", "--untracked-files=no")
-    return run("git", "rev-parse", "--short", "HEAD") + ("+" if dirty else "")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return _git("rev-parse", "--short", "HEAD") + ("+" if dirty else "")
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
 def main() -> None:

@@ -90,18 +90,21 @@ def _quantize_small(xs, small, bits, kind, granularity, block_size, stat_range, 
         u.add_(shift[:, None])  # as quantize: u = (x - offset) / step, in bin units
         codes = torch.clamp(u, 0, levels - 0.5).to(torch.uint8)
         counts = [g.rows for g in rows]
-        owner = torch.repeat_interleave(torch.tensor([s for s, _ in members]), torch.tensor(counts))
-        index = (owner[:, None] * levels + codes).view(-1)
-        if statistical:
+        if statistical:  # each tensor its own table: a code's bin is (its tensor, the code)
+            owner = torch.repeat_interleave(torch.tensor([s for s, _ in members]), torch.tensor(counts))
+            index = (owner[:, None] * levels + codes).view(-1)
             # One serial bincount: each bin still sums its own tensor's u in element order (see quantize).
             bin_sum += torch.bincount(index, weights=u.view(-1), minlength=bin_sum.numel())
             bin_count += torch.bincount(index, minlength=bin_count.numel())
+        else:  # one table for every tensor: the linear levels
+            index = codes.view(-1).long()
         groups.append((members, counts, codes, step, off, index))
     luts = _luts(bits, kind, bin_sum, bin_count, len(small))  # (T, levels)
     parts: dict[tuple[int, int], tuple] = {}  # (slot, segment) -> (codes, step, offset, x_hat) rows
+    table = luts.reshape(-1) if statistical else luts[0]
     for members, counts, codes, step, off, index in groups:
         # x_hat as `dequantize` computes it: lut[code] * step, then + offset, in fp32
-        x_hat = luts.reshape(-1)[index].view(codes.shape)
+        x_hat = table[index].view(codes.shape)
         x_hat.mul_(step.float()[:, None])
         if off is not None:
             x_hat.add_(off[:, None])

@@ -89,26 +89,28 @@ class EagerUpdates:
     @torch.no_grad()
     def settle(self) -> None:
         """Every sync applied to the consensus and every replica on it (the run's end, DiLoCo.sync()):
-        every worker continues from the consensus, with nothing stale left to apply (its momentum kept)."""
-        for position in range(len(self.params)):
-            for mine, consensus in zip(self.params[position], self.outer.params, strict=True):
-                mine.copy_(consensus)
-            for delta in self.last_delta[position]:
-                delta.zero_()
-        self.last_mean = [None] * len(self.last_mean)
-        self.fresh.clear()  # the final syncs' deltas: applied through the consensus, not an eager step
+        every worker continues from the consensus, with nothing stale left to apply (its momentum kept;
+        the final syncs' deltas were applied through the consensus, not an eager step)."""
+        self._restart(momentum=False)
 
     @torch.no_grad()
     def restart_from_consensus(self) -> None:
-        """A torchft heal (engine.adopt_state): this worker adopted a member's consensus parameters and
-        momentum and joins the quorum's sync with nothing of its own. It restarts its own outer state from
-        them: theta_m and u_m the consensus', no delta of its own in any mean (last delta 0), and no stale
-        mean yet (the next one arrives with the sync it joined, before its next eager step)."""
+        """A torchft heal (engine_state.adopt_shared_state): this worker adopted a member's consensus
+        parameters and momentum and joins the quorum's sync with nothing of its own. It restarts its own
+        outer state from them: theta_m and u_m the consensus', no delta of its own in any mean (last delta
+        0), and no stale mean yet (the next one arrives with the sync it joined, before its next eager
+        step)."""
+        self._restart(momentum=True)
+
+    def _restart(self, momentum: bool) -> None:
+        """Every worker's theta_m (and with `momentum` its u_m) the consensus', nothing of its own in
+        flight and no stale mean."""
         for position in range(len(self.params)):
             for mine, consensus in zip(self.params[position], self.outer.params, strict=True):
                 mine.copy_(consensus)
-            for mine, consensus in zip(self.momentum[position], self.outer.momentum_buffers, strict=True):
-                mine.copy_(consensus)
+            if momentum:
+                for mine, consensus in zip(self.momentum[position], self.outer.momentum_buffers, strict=True):
+                    mine.copy_(consensus)
             for delta in self.last_delta[position]:
                 delta.zero_()
         self.last_mean = [None] * len(self.last_mean)

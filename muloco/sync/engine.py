@@ -39,7 +39,12 @@ from muloco.net.wan import sync_seconds
 from muloco.sharding import local
 from muloco.sync.counters import CommLedger, Progress, WanProjection
 from muloco.sync.eager import EagerUpdates
-from muloco.sync.engine_state import engine_state, load_engine_state
+from muloco.sync.engine_state import (
+    adopt_shared_state,
+    engine_state,
+    export_shared_state,
+    load_engine_state,
+)
 from muloco.sync.fragments import Fragment, SyncSchedule, fragment_indices
 from muloco.sync.gather import Gathered, gather, global_norm
 from muloco.sync.guard import BadSyncGuard
@@ -189,11 +194,17 @@ class SyncEngine:
             at = self.progress.steps  # a moved sync (below) set it to the quorum's
             loss = round_loss() if round_loss is not None else SumCount()
             due_now = after_start.pop(fragment, None)
-            apply_due = (
-                None if due_now is None else lambda s=due_now: records.append(self.finish(s, replicas))
-            )
+
+            def apply_due(due: InFlightSync | None = due_now) -> None:
+                records.append(self.finish(due, replicas))
+
             sync = self.start(
-                fragment, contributing, at, loss, delay=0 if now else None, before_mean=apply_due
+                fragment,
+                contributing,
+                at,
+                loss,
+                delay=0 if now else None,
+                before_mean=None if due_now is None else apply_due,
             )
             first_of_window = self.schedule.overlap >= self.schedule.every and self.eager is None
             if due_now is None and first_of_window and not final:
@@ -420,30 +431,12 @@ class SyncEngine:
     def close(self) -> None:
         self.reducer.close()
 
+    # -- the shared state a heal or a joiner takes (engine_state.py) ----------------------------------
     def export_state(self) -> tuple[list[torch.Tensor], dict[str, int]]:
-        p = self.progress
-        meta = {"step": p.steps, "outer_steps": p.outer_steps, "fragment_syncs": p.fragment_syncs}
-        return [*self.outer.params, *self.outer.momentum_buffers], meta
+        return export_shared_state(self)
 
     def adopt_state(self, tensors: list[torch.Tensor], meta: dict[str, int], replicas: list) -> None:
-        n = len(self.outer.params)
-        self.outer.load_state_dict(
-            {"names": self.outer.names, "params": tensors[:n], "momentum_buffers": tensors[n:]}
-        )
-        p = self.progress
-        p.steps, p.outer_steps, p.fragment_syncs = meta["step"], meta["outer_steps"], meta["fragment_syncs"]
-        p.round_losses = []
-        for replica in replicas:
-            replica.load_global(self.outer.params)
-            replica.inner_steps = p.steps
-        if self.eager is not None:
-            self.eager.restart_from_consensus()
-        for fragment in self.fragments:
-            fragment.unsynced = False  # the replicas hold no steps of their own yet
-        # Error-feedback residuals were left by messages encoded from the old global parameters.
-        for ef in (*self.error_feedback, *self.owner_feedback):
-            if ef is not None:
-                ef.reset()
+        adopt_shared_state(self, tensors, meta, replicas)
 
     def can_adopt(self) -> bool:
         return not self.in_flight and not self._is_last(self.progress.steps)

@@ -1,7 +1,9 @@
-"""The sync engine's checkpoint state: the outer optimizer (global parameters, momentum), every local
-replica's error feedback and part owner's feedback, the syncs in flight (their means), and which fragments
-hold unsynced steps. A sharded worker's (sharding=fsdp) tensors are DTensors laid out like the parameter,
-so that a sharded checkpoint (checkpoint/sharded.py) can resume with another R."""
+"""The sync engine's state beyond one round. Its checkpoint: the outer optimizer (global parameters,
+momentum), every local replica's error feedback and part owner's feedback, the syncs in flight (their
+means), and which fragments hold unsynced steps. A sharded worker's (sharding=fsdp) tensors are DTensors
+laid out like the parameter, so that a sharded checkpoint (checkpoint/sharded.py) can resume with another
+R. And the shared state a torchft heal or a swarm joiner's catch-up hands over: the consensus's global
+parameters, momentum and progress, never a worker's own error feedback or eager outer state."""
 
 from __future__ import annotations
 
@@ -59,6 +61,38 @@ def load_engine_state(engine, state: dict[str, Any]) -> None:
         fragment.unsynced = unsynced
     if engine.eager is not None:
         engine.eager.load_state_dict(state["eager"])
+
+
+def export_shared_state(engine) -> tuple[list[torch.Tensor], dict[str, int]]:
+    """What a healthy worker hands a healing or joining one: the outer parameters and momentum, and the
+    progress."""
+    p = engine.progress
+    meta = {"step": p.steps, "outer_steps": p.outer_steps, "fragment_syncs": p.fragment_syncs}
+    return [*engine.outer.params, *engine.outer.momentum_buffers], meta
+
+
+def adopt_shared_state(engine, tensors: list[torch.Tensor], meta: dict[str, int], replicas: list) -> None:
+    """A healing or joining worker takes export_shared_state's tensors and progress: its replicas restart
+    from the adopted global parameters with no steps of their own, its eager outer state from the
+    consensus."""
+    n = len(engine.outer.params)
+    engine.outer.load_state_dict(
+        {"names": engine.outer.names, "params": tensors[:n], "momentum_buffers": tensors[n:]}
+    )
+    p = engine.progress
+    p.steps, p.outer_steps, p.fragment_syncs = meta["step"], meta["outer_steps"], meta["fragment_syncs"]
+    p.round_losses = []
+    for replica in replicas:
+        replica.load_global(engine.outer.params)
+        replica.inner_steps = p.steps
+    if engine.eager is not None:
+        engine.eager.restart_from_consensus()
+    for fragment in engine.fragments:
+        fragment.unsynced = False
+    # Error-feedback residuals were left by messages encoded from the old global parameters.
+    for ef in (*engine.error_feedback, *engine.owner_feedback):
+        if ef is not None:
+            ef.reset()
 
 
 def _local_rows(value: Any) -> Any:
