@@ -17,14 +17,19 @@ the table says so.
    horizon, and its wall-clock is its train clock to its first evaluation at or below the target. A
    per-step row (DDP, + PowerSGD, + bf16) runs a window of --window steps over the link: its median step
    time, all-reduces included, times the steps its curve needs (over a slow link a full run takes hours).
-   A compute-bound link (ratio <= 1) runs --compute-bound-rows only: DDP, its hooks, MuLoCo 4-bit and
-   streaming (what the low-communication rows cost where communication is cheap).
-3. Report (wan_report.py): the table, the planner's projection of each measured run (muloco.net.wan),
+   A compute-bound link (ratio <= 1) runs --compute-bound-rows only: DDP, its hooks and MuLoCo 4-bit's
+   fastest forms (what the low-communication rows cost where communication is cheap). Before its rows, a
+   link's rate is re-solved from DDP windows over it until DDP measures the link's ratio within
+   --solve-within (the model leaves out gloo's segments and the cores the processes share); with
+   --check-ddp, DDP runs once more after them to check the windows' extrapolation: in full at ratios up to
+   --full-run-ratio, over a --check-window window above.
+3. Report (wan_report.py): the table, each row against DDP and against the fastest of DDP and its hooks
+   in the same repeat ("vs best DDP"), the planner's projection of each measured run (muloco.net.wan),
    and with --plots the planner's speed-up over DDP from 1 Mbit/s to 10 Gbit/s with the measured points.
 
     python experiments/wan/bench_wan.py --plots docs/img          # everything (root; 76 min at 25.6 ms/step)
     python experiments/wan/bench_wan.py --quick                   # two rows, a few outer steps (< 2 min)
-    python experiments/wan/bench_wan.py --report-only --markdown  # the table again, from the JSON
+    python experiments/wan/bench_wan.py --report-only --markdown  # the headline's table again, from its JSON
     python experiments/wan/bench_wan.py --curves-only
         # the curves (no testbed), each row's committed horizon tried first, then the next shorter: about
         # half the runs of the search without it (--expect-horizons none)
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -66,9 +72,21 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 BATCH_TOKENS = 2048  # pico's
 WORKERS = 4
-EXPECTED = HERE / "results/wan_headline.json"  # the committed headline: its horizons are tried first
+# The headline docs/wan.md and README quote (scripts/figures/wan.py): --report-only renders it, a full run
+# writes it, and its rows' horizons are tried first.
+HEADLINE = HERE / "results/wan_headline_repeats.json"
+EXPECTED = HEADLINE
 QUICK_HORIZONS = {"muloco_4bit": 2.0}  # --quick: its 2x run is the link's (find_horizons' deferred)
-COMPUTE_BOUND_ROWS = ("ddp", "ddp_powersgd", "ddp_bf16", "muloco_4bit", "streaming_4bit")
+COMPUTE_BOUND_ROWS = (
+    "ddp",
+    "ddp_powersgd",
+    "ddp_bf16",
+    "muloco_4bit",
+    "muloco_4bit_window",
+    "muloco_4bit_eager",
+    "streaming_4bit",
+)
+SOLVE_TRIES = 4  # DDP windows a link's rate may take to land on its ratio (--solve-within)
 PLOT_RATES = [10 ** (k / 8) for k in range(0, 33)]  # 1 Mbit/s to 10 Gbit/s
 
 
@@ -81,10 +99,34 @@ def main() -> int:
     ap.add_argument("--delay-ms", type=float, default=20.0, help="one way, every link that can have it")
     ap.add_argument("--window", type=int, default=40, help="steps a per-step row runs over a link")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every row over each link, interleaved")
+    ap.add_argument(
+        "--solve-within",
+        type=float,
+        default=0.05,
+        help="re-solve each link's rate from DDP windows over it until DDP's measured ratio is within this "
+        "fraction of its name (0: the model's rate as solved)",
+    )
+    ap.add_argument(
+        "--check-ddp",
+        action="store_true",
+        help="after a link's repeats, DDP once more over it to check the window's extrapolation: a full run "
+        "at ratios <= --full-run-ratio, a --check-window window above",
+    )
+    ap.add_argument(
+        "--full-run-ratio", type=float, default=5.0, help="--check-ddp's full runs: ratios up to this"
+    )
+    ap.add_argument(
+        "--check-window", type=int, default=300, help="--check-ddp's window above --full-run-ratio"
+    )
     ap.add_argument("--eval-every", type=int, default=45, help="inner steps (3 outer steps)")
     ap.add_argument("--quick", action="store_true", help="ddp and muloco_4bit, 60 steps, one link (< 2 min)")
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs/wan_headline")
-    ap.add_argument("--out", type=Path, default=HERE / "results/wan_headline.json")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help=f"the results JSON (default: the headline, {HEADLINE.relative_to(ROOT)}; --quick: quick.json in "
+        "--workdir)",
+    )
     ap.add_argument("--plots", type=Path, help="write the speed-up plot (wan_speedup.png) here")
     ap.add_argument(
         "--reuse-curves",
@@ -109,7 +151,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:  # <= 2 minutes (issue 36): 1x misses DDP's loss, 2x (the link's run) reaches it
         args.rows, args.steps, args.horizons, args.ratios = "ddp,muloco_4bit", 60, "1,2", "50"
-        args.window, args.eval_every = 6, 15
+        args.window, args.eval_every, args.solve_within = 6, 15, 0.0
+    if args.out is None:
+        args.out = args.workdir / "quick.json" if args.quick else HEADLINE
     if args.report_only:
         saved = json.loads(args.out.read_text())
         return report(saved, args, runs_s=None)
@@ -175,9 +219,11 @@ def main() -> int:
         return report(saved, args, runs_s=time.perf_counter() - started)
 
     # 2. Every row over every link.
-    results = []
+    results, checks = [], []
     for link in links:
         link_started = time.perf_counter()
+        if args.solve_within > 0:
+            solve_rate(link, curves, args)
         with Testbed(WORKERS, link["rate_mbit"], link["delay_ms"]) as testbed:
             # Where communication is cheap (ratio <= 1) the question is only what the low-communication
             # rows cost: the per-step rows and MuLoCo's fastest forms answer it (the default subset).
@@ -199,11 +245,16 @@ def main() -> int:
                 print(
                     json.dumps({k: results[-1][k] for k in ("key", "link_label", "s_to_target")}), flush=True
                 )
+            if args.check_ddp:
+                here_ddp = [r for r in results if r["key"] == "ddp" and r["link_label"] == link["label"]]
+                checks.append(check_extrapolation(testbed, link, curves, here_ddp, target, args))
         # (a link's time includes the loopback runs its rows' confirmations needed, if any)
         phase_s[f"ratio {link['ratio']:g}"] = round(time.perf_counter() - link_started, 1)
     for key in [k for k, c in curves.items() if "confirm" in c]:  # its row never ran: train it here
         confirm_on_link(curves, key, None)
     saved["phase_s"] = phase_s
+    if checks:
+        saved["ddp_checks"] = checks
     saved["curves"] = {k: summarize_curve(c) for k, c in curves.items()}
     saved["rows"] = results
     return report(saved, args, runs_s=time.perf_counter() - started)
@@ -454,6 +505,69 @@ def choose_links(ratios: list[float], compute_s: float, ddp_curve: dict, delay_m
     return links
 
 
+def solve_rate(link: dict, curves: dict, args) -> None:
+    """Re-solve `link`'s rate (in place) until a DDP window over it measures its ratio within
+    --solve-within: the model's rate misses it by what it leaves out (gloo's segments, the processes that
+    share the cores), so each try scales the rate by measured / named ratio. The tries go in `link`."""
+    ddp = ROWS["ddp"]
+    loopback = curves["ddp"]["chosen"]["summary"]
+    compute = loopback["worker_compute_s"] / loopback["inner_steps"]
+    tries = []
+    for _ in range(SOLVE_TRIES):
+        with Testbed(WORKERS, link["rate_mbit"], link["delay_ms"]) as testbed:
+            run = run_over(testbed, ddp, curves, args)
+        if run is None:
+            break
+        measured = (run["step_s_median"] - compute) / compute
+        tries.append({"rate_mbit": link["rate_mbit"], "ratio_measured": round(measured, 3)})
+        print(
+            f"ratio {link['ratio']:g} at {link['rate_mbit']} Mbit/s: DDP measures {measured:.2f}", flush=True
+        )
+        if abs(measured / link["ratio"] - 1) <= args.solve_within:
+            break
+        link["rate_mbit"] = round(link["rate_mbit"] * measured / link["ratio"], 2)
+    link["solve_tries"] = tries
+    link["label"] = f"{link['rate_mbit']:.3g} Mbit/s {link['delay_ms']:g} ms"
+
+
+def check_extrapolation(
+    testbed: Testbed, link: dict, curves: dict, windows: list[dict], target: float, args
+) -> dict:
+    """DDP over `link` once more, longer than the repeats' windows (`windows`): a full run at ratios up to
+    --full-run-ratio (its train clock to DDP's loss), else a --check-window window (its median step time x
+    the steps to the loss), against the windows' median extrapolation."""
+    full = link["ratio"] <= args.full_run_ratio
+    steps = curves["ddp"]["steps"]
+    run = on_link(
+        testbed,
+        ROWS["ddp"],
+        steps,
+        BATCH_TOKENS,
+        args.workdir / "links",
+        args.eval_every,
+        None if full else args.check_window,
+    )
+    to_target = first_at_or_below(curves["ddp"]["chosen"]["evals"], target)["step"]
+    if full:
+        t0 = run["evals"][0]["train_s"]
+        measured = first_at_or_below(run["evals"], target)["train_s"] - t0
+    else:
+        measured = run["step_s_median"] * to_target
+    extrapolated = statistics.median(r["s_to_target"] for r in windows)
+    out = {
+        "ratio": link["ratio"],
+        "link_label": link["label"],
+        "kind": "full run" if full else f"{args.check_window}-step window",
+        "measured_s": round(measured, 1),
+        "window_steps": args.window,
+        "extrapolated_s": round(extrapolated, 1),
+        "extrapolated_over_measured": round(extrapolated / measured, 3),
+        "process_wall_s": run["process_wall_s"],
+    }
+    print(f"DDP check at ratio {link['ratio']:g}: {json.dumps(out)}", flush=True)
+    return out
+
+
 def local_s_per_sync(loopback: dict, per_step: bool) -> float:
     """What a sync (a per-step row: a step) costs beyond compute on this machine with no link to pay: a
     loopback run's train time less its compute, per sync. Its codec and outer step, and the processes
@@ -533,6 +647,13 @@ def measure(row: Row, link: dict, curve: dict, run: dict, target: float) -> dict
     return out
 
 
+def fastest_baseline(here: list[dict]) -> dict | None:
+    """The strongest baseline among rows that ran side by side: the fastest of DDP and its hooks (the
+    per-step rows) to DDP's loss; None where none reached it."""
+    reached = [r for r in here if r["per_step"] and r["s_to_target"]]
+    return min(reached, key=lambda r: r["s_to_target"], default=None)
+
+
 def equal_tokens_loss(curves: dict, key: str) -> float | None:
     """A row's final val loss at DDP's tokens: its curve's run of DDP's length (None: not trained)."""
     ddp_steps = curves["ddp"]["runs"][0]["steps"]
@@ -565,8 +686,13 @@ def report(saved: dict, args, runs_s: float | None) -> int:
         side_by_side.setdefault((r["link_label"], r.get("part", 0), r.get("repeat", 0)), []).append(r)
     for here in side_by_side.values():
         ddp = next((r for r in here if r["key"] == "ddp"), None)
+        best = fastest_baseline(here)
         for r in here:
+            if best and r["s_to_target"]:
+                r["vs_best_ddp"], r["best_ddp"] = r["s_to_target"] / best["s_to_target"], best["label"]
             r["planner_s"] = planner_s(r, Link(r["rate_mbit"], r["delay_ms"]))
+            if r["s_to_target"] and r.get("step_compute_s"):  # the floor is 1: its own compute, nothing else
+                r["wall_over_compute"] = r["s_to_target"] / (r["steps_to_target"] * r["step_compute_s"])
             if r["planner_s"] and r["s_to_target"]:
                 r["measured_over_planner"] = r["s_to_target"] / r["planner_s"]
             if ddp and ddp["s_to_target"] and r["s_to_target"]:
@@ -602,6 +728,13 @@ def report(saved: dict, args, runs_s: float | None) -> int:
             curves, PLOT_RATES, points, {k: r.label for k, r in ROWS.items()}, args.plots / "wan_speedup.png"
         )
         print(f"wrote {args.plots / 'wan_speedup.png'}")
+    for check in saved.get("ddp_checks", []):
+        print(
+            f"DDP at ratio {check['ratio']:g} ({check['link_label']}): {check['kind']} "
+            f"{check['measured_s']:.0f} s, the {check['window_steps']}-step windows' extrapolation "
+            f"{check['extrapolated_s']:.0f} s "
+            f"({check['extrapolated_over_measured']:.3f}x)"
+        )
     if runs_s is not None and saved.get("phase_s"):
         print("phases: " + ", ".join(f"{name} {s / 60:.1f} min" for name, s in saved["phase_s"].items()))
     print(f"wrote {args.out}" + (f" ({runs_s / 60:.1f} min)" if runs_s else ""))

@@ -39,6 +39,8 @@ LOOPBACK_OPS = {
     "muloco_fp32": FP32_ALL_REDUCE,
     "muloco_4bit": ("reduce_scatter 4-bit pico",),
     "muloco_2bit_rs": ("reduce_scatter 2-bit pico",),
+    "muloco_4bit_window": ("all_gather 4-bit pico",),  # sync.transport auto: all_gather when overlapped
+    "muloco_4bit_eager": ("all_gather 4-bit pico",),
     "streaming_4bit": ("all_gather 4-bit fragment",),
     "hivemind_4bit": (),
 }
@@ -208,18 +210,20 @@ def format_table(results: list[dict]) -> str:
 
 def format_markdown(results: list[dict]) -> str:
     lines = [
-        "| link | method | to DDP's loss (s) | vs DDP | planner (s) | inner steps | val loss, equal tokens "
-        "| val loss, DDP's wall-clock | network wait | MB / worker (counted, wire) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| link | method | to DDP's loss (s) | vs DDP | vs best DDP | planner (s) | inner steps "
+        "| val loss, equal tokens | val loss, DDP's wall-clock | network wait "
+        "| MB / worker (counted, wire) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         to = "not reached" if r["s_to_target"] is None else f"{r['s_to_target']:.0f}"
         how = " (window)" if r["per_step"] else ""
         vs = "-" if r.get("vs_ddp") is None else f"{r['vs_ddp']:.3f}x"
+        best = "-" if r.get("vs_best_ddp") is None else f"{r['vs_best_ddp']:.3f}x"
         plan = "-" if r.get("planner_s") is None else f"{r['planner_s']:.0f}"
         steps = "-" if r["steps_to_target"] is None else f"{r['steps_to_target']:,}"
         lines.append(
-            f"| {r['link_label']} | {r['label']} | {to}{how} | {vs} | {plan} | {steps} | "
+            f"| {r['link_label']} | {r['label']} | {to}{how} | {vs} | {best} | {plan} | {steps} | "
             f"{_f(r.get('val_equal_tokens'))} | {_f(r.get('val_equal_wall'))} | "
             f"{100 * r['wait_fraction']:.1f}% | "
             f"{r['bytes_to_target'] / 1e6:.1f}, {r['wire_to_target'] / 1e6:.1f} |"
@@ -233,15 +237,17 @@ def repeats_of(rows: list[dict]) -> int:
 
 def format_repeats(rows: list[dict]) -> str:
     """The table over repeats, per row and link (markdown): the median and min-max of its wall-clock to
-    DDP's loss, of its ratio to DDP's within the same repeat, of measured over planner and of its network
-    wait; the medians of its inner steps to the loss, its val loss at DDP's wall-clock and its MB per worker
-    to the loss (counted, on the wire); its val loss at equal tokens (its 1x curve, one for all repeats)."""
+    DDP's loss, of its ratio to DDP's and to the fastest of DDP and its hooks ("best DDP") within the
+    same repeat, of measured over planner, of its network wait and of its wall-clock over its own compute
+    to the loss; the medians of its inner steps to the loss, its val loss at DDP's wall-clock and its MB
+    per worker to the loss (counted, on the wire); its val loss at equal tokens (its 1x curve, one for all
+    repeats)."""
     lines = [
         f"Over {repeats_of(rows)} interleaved repeats: median (min-max)",
-        "| link | method | to DDP's loss (s) | vs DDP | measured / planner | network wait | inner steps "
-        "| val loss, equal tokens | val loss, DDP's wall-clock | MB / worker (counted, wire) "
-        "| vs undisturbed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| link | method | to DDP's loss (s) | vs DDP | vs best DDP | measured / planner | network wait "
+        "| wall / compute | inner steps | val loss, equal tokens | val loss, DDP's wall-clock "
+        "| MB / worker (counted, wire) | vs undisturbed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
@@ -251,11 +257,15 @@ def format_repeats(rows: list[dict]) -> str:
         def values(name: str, scale: float = 1.0, runs: list[dict] = runs) -> list[float | None]:
             return [None if r.get(name) is None else r[name] * scale for r in runs]
 
+        # DDP and its hooks: a window's median step time x the steps to the loss (extrapolated)
+        how = " (window)" if runs[0].get("per_step") else ""
         spreads = [
-            _spread(values("s_to_target"), "{:.0f}"),
+            _spread(values("s_to_target"), "{:.0f}") + how,
             _spread(values("vs_ddp"), "{:.3f}x"),
+            _spread(values("vs_best_ddp"), "{:.3f}x"),
             _spread(values("measured_over_planner"), "{:.2f}"),
             _spread(values("wait_fraction", 100), "{:.1f}%"),
+            _spread(values("wall_over_compute"), "{:.2f}x"),
         ]
         mb = [_median(values(name, 1e-6), "{:.1f}") for name in ("bytes_to_target", "wire_to_target")]
         medians = [

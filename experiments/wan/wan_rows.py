@@ -56,6 +56,11 @@ POWERSGD = ("method=dp", "inner.lr=0.02", "dp.comm_hook=powersgd", "dp.powersgd_
 # tau = 4 steps (the most H = 15, P = 3 allows): a fragment's all-gather over 20 ms links takes K - 1 = 3 ring
 # hops of a round trip each plus its transfer, ~100 ms, which 2 pico steps (~60 ms) do not cover.
 STREAMING = ("sync.fragments=3", "sync.overlap=4")
+# A whole window overlapped (issue 59; Kale, Douillard and Donchev 2025, arXiv 2502.12996): the sync started
+# after round r is applied after round r + 1's H = 15 inner steps, naively (the mean one round late) or with
+# eager updates (each round's own outer gradient at once, the others' one round stale).
+WINDOW = ("sync.overlap=15",)
+EAGER = (*WINDOW, "sync.eager=true")
 HIVEMIND = (*MULOCO, *FOUR_BIT, "backend.hivemind.target_group_size=4")  # a group starts once all 4 are in
 KILLED = "MuLoCo 4-bit, torchft, a worker killed at 40% and restarted"
 ROWS = {
@@ -69,6 +74,8 @@ ROWS = {
         Row("muloco_fp32", "MuLoCo fp32", MULOCO),
         Row("muloco_4bit", "MuLoCo 4-bit", (*MULOCO, *FOUR_BIT)),
         Row("muloco_2bit_rs", "MuLoCo 2-bit reduce-scatter", (*MULOCO, *TWO_BIT_RS)),
+        Row("muloco_4bit_window", "MuLoCo 4-bit, whole window overlapped", (*MULOCO, *FOUR_BIT, *WINDOW)),
+        Row("muloco_4bit_eager", "MuLoCo 4-bit, whole window, eager", (*MULOCO, *FOUR_BIT, *EAGER)),
         Row("streaming_4bit", "streaming MuLoCo 4-bit P=3 tau=4", (*MULOCO, *FOUR_BIT, *STREAMING)),
         Row("torchft_4bit", "MuLoCo 4-bit, torchft", (*MULOCO, *FOUR_BIT), "torchft", twin="muloco_4bit"),
         Row("torchft_4bit_kill", KILLED, (*MULOCO, *FOUR_BIT), "torchft", twin="muloco_4bit", kill_at=0.4),

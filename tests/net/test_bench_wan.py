@@ -266,8 +266,8 @@ def test_a_part_with_more_rows_over_a_link_is_compared_with_its_own_ddp_windows(
     table = capsys.readouterr().out
     assert "| L | ddp | 150 (100-200) |" in table  # the medians
     assert table.count("| L | ddp |") == 3  # repeat 0, the medians, the headline
-    assert "| L | muloco_4bit | 50 | 0.500x | - | 1 | 1.3400 |" in table
-    assert "| L | diloco_fp32 | 100 | 0.250x | - | 1 | - |" in table
+    assert "| L | muloco_4bit | 50 | 0.500x | - | - | 1 | 1.3400 |" in table  # no per-step baseline: no best
+    assert "| L | diloco_fp32 | 100 | 0.250x | - | - | 1 | - |" in table
     with pytest.raises(ValueError, match="in two parts"):
         merge([first, part({"ddp": [1], "muloco_4bit": [1]})])
     # Parts run with other --rows have other curve rows: the merged file has each (its 1x run read above).
@@ -324,6 +324,7 @@ def test_repeats_are_compared_within_each_repeat_and_summarized_by_median_and_sp
     for repeat, (ddp_s, mine_s) in enumerate([(100.0, 10.0), (200.0, 30.0), (120.0, None)]):
         for key, seconds in (("ddp", ddp_s), ("mine", mine_s)):
             row = {"key": key, "label": key, "link_label": "L", "repeat": repeat, "s_to_target": seconds}
+            row["per_step"] = key == "ddp"
             rows.append({**row, "wait_fraction": 0.1 * (repeat + 1)})
             rows[-1]["vs_ddp"] = None if seconds is None else seconds / ddp_s
             if key == "mine":  # the columns given as medians: steps, losses, MB (counted, wire)
@@ -331,11 +332,64 @@ def test_repeats_are_compared_within_each_repeat_and_summarized_by_median_and_sp
                 rows[-1].update(bytes_to_target=2e6 * (repeat + 1), wire_to_target=3e6)
     table = format_repeats(rows)
     assert (
-        "| L | ddp | 120 (100-200) | 1.000x (1.000x-1.000x) | - | 20.0% (10.0%-30.0%) | - | - | - | - | - |"
-        in table
+        "| L | ddp | 120 (100-200) (window) | 1.000x (1.000x-1.000x) | - | - | 20.0% (10.0%-30.0%) | - | - "
+        "| - | - | - | - |" in table
     )
-    mine = "| L | mine | 20 (10-30, 1 not reached) | 0.125x (0.100x-0.150x, 1 not reached) | - | 20.0% "
-    assert mine + "(10.0%-30.0%) | 1,510 | 1.3400 | 1.3000 | 4.0, 3.0 | - |" in table
+    mine = "| L | mine | 20 (10-30, 1 not reached) | 0.125x (0.100x-0.150x, 1 not reached) | - | - | 20.0% "
+    assert mine + "(10.0%-30.0%) | - | 1,510 | 1.3400 | 1.3000 | 4.0, 3.0 | - |" in table
+
+
+def test_each_row_is_compared_with_the_fastest_baseline_beside_it():
+    """vs best DDP: the fastest per-step row (DDP, + bf16, + PowerSGD) that reached DDP's loss in the same
+    repeat; none where no baseline reached it."""
+    import bench_wan
+
+    here = [
+        {"key": "ddp", "per_step": True, "s_to_target": 300.0},
+        {"key": "ddp_bf16", "per_step": True, "s_to_target": 200.0},
+        {"key": "ddp_powersgd", "per_step": True, "s_to_target": None},
+        {"key": "muloco_4bit", "per_step": False, "s_to_target": 20.0},  # faster, but not a baseline
+    ]
+    assert bench_wan.fastest_baseline(here)["key"] == "ddp_bf16"
+    assert bench_wan.fastest_baseline([here[2], here[3]]) is None
+
+
+def test_a_link_is_re_solved_until_ddp_measures_its_ratio(monkeypatch, tmp_path):
+    """--solve-within: the model's rate gives DDP a ratio off by what it leaves out; each try scales the
+    rate by measured / named until a DDP window measures within the tolerance, and the link keeps its
+    tries and its new label."""
+    import bench_wan
+
+    compute = 0.04  # s per DDP step on loopback
+    # The link as measured: 16 Mbit per step at the rate, plus a fixed 30 ms the model leaves out.
+    step_s = {}
+
+    class FakeTestbed:
+        def __init__(self, workers, rate_mbit, delay_ms):
+            self.rate_mbit = rate_mbit
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def fake_run(testbed, row, curves, args):
+        assert row.key == "ddp"
+        step_s[testbed.rate_mbit] = compute + 16 / testbed.rate_mbit + 0.03
+        return {"step_s_median": step_s[testbed.rate_mbit]}
+
+    monkeypatch.setattr(bench_wan, "Testbed", FakeTestbed)
+    monkeypatch.setattr(bench_wan, "run_over", fake_run)
+    curves = {"ddp": {"chosen": {"summary": {"worker_compute_s": compute * 100, "inner_steps": 100}}}}
+    link = {"ratio": 5.0, "rate_mbit": 80.0, "delay_ms": 6, "label": "80 Mbit/s 6 ms"}
+    bench_wan.solve_rate(link, curves, argparse.Namespace(solve_within=0.05))
+    measured = [t["ratio_measured"] for t in link["solve_tries"]]
+    assert measured[0] == pytest.approx((16 / 80 + 0.03) / compute, abs=1e-3)  # 5.75: 15% off
+    assert len(measured) > 1 and abs(measured[-1] / 5 - 1) <= 0.05
+    assert all(abs(m / 5 - 1) > 0.05 for m in measured[:-1])
+    assert link["rate_mbit"] == link["solve_tries"][-1]["rate_mbit"] > 80
+    assert link["label"] == f"{link['rate_mbit']:.3g} Mbit/s 6 ms"
 
 
 def test_the_planner_check_counts_each_rows_loopback_collectives_once():
