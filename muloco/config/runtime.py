@@ -262,7 +262,7 @@ class SimulationConfig(Section):
         description="Step a process's replicas together: each computes its gradients, then one optimizer "
         "step updates all of them (one Newton-Schulz call per matrix shape for all replicas; "
         "muloco/run/batched.py). Same results as one replica after another. auto: on where it measured "
-        "faster (docs/benchmarks.md) and possible (no offload, ranks_per_worker=1).",
+        "faster (docs/records/benchmarks.md) and possible (no offload, ranks_per_worker=1).",
     )
 
 

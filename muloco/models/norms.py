@@ -11,8 +11,8 @@ bitwise. RMSNorm never had this: torch's is a composite of elementwise ops whose
 `LayerNorm` keeps nn.LayerNorm's forward (the same kernel, so the same outputs bit for bit: evals and the
 GPT-2 export are unchanged), its input gradient (torch's, computed row by row, so independent of the
 threads) and its parameters and state_dict keys; only the weight and bias gradients are computed as that
-`sum` over the rows. What it costs (experiments/benchmarks/bench_layernorm.py, docs/benchmarks.md): the
-norm's forward+backward takes 1.5-1.7x torch's (its backward reads the input again for the weight
+`sum` over the rows. What it costs (experiments/benchmarks/bench_layernorm.py, docs/records/benchmarks.md):
+the norm's forward+backward takes 1.5-1.7x torch's (its backward reads the input again for the weight
 gradient), a whole pico or quickstart training step 1.00-1.01x at 1 thread, within the noise.
 On other devices (CUDA: no thread count) and without grad it is F.layer_norm itself. Under torch.compile
 inductor generates its own reductions: the thread independence is then inductor's, not this module's.

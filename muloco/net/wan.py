@@ -67,7 +67,7 @@ from muloco.comm.base import reduce_scatter_bytes, ring_allgather_bytes, ring_al
 
 # Share of a full-size Ethernet frame that is TCP payload: MSS 1448 B (1500 MTU - 20 IP - 20 TCP - 12 TCP
 # timestamps, RFC 7323) of 1514 B on the wire with the 14 B Ethernet header. The emulated WAN measured 95.7%
-# of the line rate as goodput (docs/benchmarks.md, "WAN emulation").
+# of the line rate as goodput (docs/records/benchmarks.md, "WAN emulation").
 TCP_PAYLOAD_EFFICIENCY = 1448 / 1514
 
 

@@ -7,7 +7,7 @@ the replicas' optimizers are merged position by position into one optimizer of t
 hold every replica's parameters and whose state *is* the replicas' own per-parameter state. Muon stacks the
 K replicas' same-shape matrices into one Newton-Schulz call per shape; AdamW and SGD keep torch's own choice
 of kernel (foreach on CUDA, where it then runs once over K x the tensors; the per-tensor loop on a CPU, where
-the foreach kernels measured 0.79x as fast: docs/benchmarks.md).
+the foreach kernels measured 0.79x as fast: docs/records/benchmarks.md).
 
 The maths per parameter is unchanged (each matrix is normalized and orthogonalized on its own, moments are
 elementwise), so the result equals the sequential simulation, and each replica's optimizer still owns its
@@ -24,8 +24,8 @@ from torch import Tensor
 from muloco.optim.muon import Muon
 
 # simulation.batched=auto turns batching on for these device types: the CPU, where the merged step measured
-# faster (docs/benchmarks.md, "Batched replicas"); CUDA by design (one launch per shape instead of K), to be
-# measured by experiments/gpu/check.sh.
+# faster (docs/records/benchmarks.md, "Batched replicas"); CUDA by design (one launch per shape instead
+# of K), to be measured by experiments/gpu/check.sh.
 BATCHED_BY_DEFAULT = ("cpu", "cuda")
 
 # Optimizers whose step reads only `param_groups` and `self.state[p]`, per parameter: merging them is exact.

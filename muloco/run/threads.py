@@ -1,6 +1,6 @@
 """torch's CPU threads for a run (`train.threads`). Unset, torch takes one thread per core; on a machine
 busy with other work those threads wait for each other on shared cores, and a run is several times slower
-(docs/benchmarks.md: the quickstart beside one CPU burner on 2 cores, 3.1x its idle time; 1.3x with
+(docs/records/benchmarks.md: the quickstart beside one CPU burner on 2 cores, 3.1x its idle time; 1.3x with
 train.threads=1). torch's choice is kept, with one warning naming the fix, rather than a thread count that
 depends on the load of the moment (the maths of a CPU run may change with its thread count). `muloco launch`
 and `muloco sweep --jobs` give each process its share of the cores."""

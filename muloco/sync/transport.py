@@ -31,7 +31,7 @@ def choose_transport(
     overlapped (sync.overlap > 0): `auto` takes all_gather, whose one collective runs under the inner
     steps; reduce_scatter's second, the owners' all-gather, starts only when the sync is waited for (over
     7.4 Mbit/s 20 ms links streaming P = 3 tau = 4 trained at 134 ms a step with it, 74 with all_gather:
-    docs/benchmarks.md)."""
+    docs/records/benchmarks.md)."""
     if not compressed:
         return "all_reduce"
     if requested != "auto" and requested not in supported:

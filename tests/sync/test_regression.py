@@ -139,7 +139,7 @@ EMULATE_AVX2 = {
 # Another CPU's tables are compared with Newton-Schulz in fp32 (as on a CPU without native bf16: the
 # references are that class's tables): bf16's rounding flips on last-bit differences and moves Muon's
 # parameters by up to 3.4e-3 of their norm between two kernel sets of one CPU, as much as a real change.
-# Measured with `--spread` on this AMD EPYC, Newton-Schulz in fp32 (docs/benchmarks.md "Regression
+# Measured with `--spread` on this AMD EPYC, Newton-Schulz in fp32 (docs/records/benchmarks.md "Regression
 # fixture"): fp32 cases at most 4.7e-7 of a tensor's norm apart between kernel sets (ATen AVX2 / AVX-512 /
 # none, oneDNN AVX2 / AVX-512); cases with 4-bit codes at most 2.7e-4 (a code at a bin's edge flips). The
 # bounds leave ~20x and ~4x; the one-line changes in the negative tests move them by 5x the bound or
