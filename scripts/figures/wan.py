@@ -53,13 +53,6 @@ LABELS = {
 DELAY_LINE = "experiments/benchmarks/results/bench_delay_line.json"
 HIVEMIND_PROBE = "experiments/wan/results/probe_hivemind.json"
 ONE_COMMAND = "experiments/wan/results/wan_headline_one_command.json"
-PROBES = {  # the link model's probes, one per link of the second run (2026-12-03)
-    "slow": "experiments/wan/results/probe_collectives_6.33mbit_20ms.json",  # ratio 50 then
-    "metro": "experiments/wan/results/probe_collectives_63.3mbit_4ms.json",  # ratio 5
-    "far": "experiments/wan/results/probe_collectives_349.75mbit_20ms.json",  # the first table's ratio 5
-    "lan": "experiments/wan/results/probe_collectives_632.92mbit_0ms.json",  # ratio 0.5
-}
-PROBE_OPS = {"all_reduce": "all_reduce fp32 pico", "all_gather": "all_gather 4-bit pico"}
 
 
 def _r(ratio: float) -> str:
@@ -199,21 +192,7 @@ def headline_table(rows: tuple = HEADLINE_ROWS) -> str:
     return "\n".join(lines)
 
 
-# -- the link model's probes, the delay line, the hivemind probe, the one command ------------------------
-def probe_op(source: str, op: str, field: str, fmt: str, scale: float = 1.0) -> Figure:
-    def render(data: dict) -> str:
-        row = next((r for r in data["rows"] if r["op"] == op), None)
-        if row is None:
-            raise FigureError(f"no op {op!r}")
-        return fmt.format(row[field] * scale)
-
-    return Figure(source, render)
-
-
-def probe_link(source: str) -> Figure:
-    return Figure(source, lambda d: f"{d['rate_mbit']:g} Mbit/s, {d['delay_ms']:g} ms")
-
-
+# -- the delay line, the hivemind probe, the one command ------------------------
 def delay_line(field: str, fmt: str, unit: str = "") -> Figure:
     """Over the delay-line cases (25 ms one way, every rate): the range of the cases' medians of `field`
     (round_trip_ms), or of their share of the line's TCP rate (of_tcp_line_rate)."""
@@ -252,18 +231,6 @@ FIGURES: dict[str, Figure] = {
     "wan.r50.muloco_4bit.tokens_vs_ddp": wan_steps_vs(HEADLINE, "muloco_4bit", "ddp", 50),
     "wan.r50.diloco_fp32.tokens_vs_ddp": wan_steps_vs(HEADLINE, "diloco_fp32", "ddp", 50),
     **headline_figures(HEADLINE, HEADLINE_ROWS),
-    # the link model's probes (2026-12-03)
-    **{
-        f"wan.probe.{name}.{op}.{what}": probe_op(src, PROBE_OPS[op], f"{what}_s", "{:.0f} ms", 1000)
-        for name, src in PROBES.items()
-        for op in PROBE_OPS
-        for what in ("measured", "planner")
-    },
-    **{f"wan.probe.{name}.link": probe_link(src) for name, src in PROBES.items()},
-    **{
-        f"wan.probe.{op}.kb": probe_op(PROBES["slow"], PROBE_OPS[op], "bytes", "{:.0f} KB", 1e-3)
-        for op in PROBE_OPS
-    },
     # the delay line (bench_delay_line.py, 2026-12-02)
     "wan.delay_line.rtt": delay_line("round_trip_ms", "{:.1f}", " ms"),
     "wan.delay_line.share": delay_line("of_tcp_line_rate", "{:.2f}"),
