@@ -40,9 +40,9 @@ Method = Literal["auto", "standard", "gram"]
 EPS = 1e-7  # added to the Frobenius norm before dividing (KellerJordan/Muon, torch.optim.Muon)
 
 # Gram-variant block: steps between restarts (recompute X = Q X and R = X X^T from the big matrix).
-# Measured in bf16 on inputs with flat, 1/i, 1/i^2 and low-rank spectra: blocks of 2 match the
-# standard iteration's error (within 0.4% relative); blocks of 3 or more diverge on 1/i^2 spectra
-# with the muloco and polar_express sets (Q's dynamic range a1*a2*a3 outgrows bf16).
+# Measured in bf16 on inputs with flat to rank-1 spectra (experiments/benchmarks/bench_gram_block.py):
+# blocks of 2 stay within ~2 percentage points of the standard iteration's error; blocks of 3 or more
+# diverge on 1/i, 1/i^2 and rank-1 spectra (Q's dynamic range a1*a2*a3 outgrows bf16).
 GRAM_BLOCK = 2
 
 

@@ -26,6 +26,7 @@ CONTROL_PLANE_BEFORE = f"{RESULTS}/control_plane-7d4ee51.json"  # ae6fc48 vs 7d4
 TRANSPORT_ERROR = f"{RESULTS}/bench_transport_error.json"
 TRANSPORT_QUALITY = "experiments/paper_check/transport_results.json"
 NORM = "experiments/paper_check/norm/tuned.json"
+STAT_RANGE = f"{RESULTS}/bench_stat_range.json"  # deterministic, no timing
 STREAMING = "streaming MuLoCo 4-bit P=3 tau=4"
 
 
@@ -178,6 +179,29 @@ def _compile_extra(d: dict) -> str:
     )
 
 
+def _stat_range_worst(bits: int) -> Figure:
+    """The default r's worst relative-MSE ratio to the best r over the three kinds of rows; the figure
+    fails when the default is no longer a minimax choice of the sweep."""
+
+    def render(d: dict) -> str:
+        res = d["bits"][str(bits)]
+        if not res["default_is_minimax"]:
+            raise FigureError(
+                f"at {bits} bits the default r = {res['default_r']} is not the sweep's minimax r"
+            )
+        row = _row_by_r(res["rows"], res["default_r"])
+        return "{:.2f}".format(row["worst_ratio"])
+
+    return _fig(STAT_RANGE, render)
+
+
+def _row_by_r(rows: list[dict], r: float) -> dict:
+    for row in rows:
+        if row["r"] == r:
+            return row
+    raise FigureError(f"no row with r = {r}")
+
+
 def _compile_ratio(case: str) -> Figure:
     return _fig(
         COMPILE,
@@ -208,6 +232,9 @@ FIGURES = {
     "bench.compression.topk_bits_8bit": _codec(COMPRESSION, "topk 1% v8", "bits_per_param", "{:.2f}"),
     "bench.compression.crc_ms": _fig(COMPRESSION, lambda d: "{:.1f} ms".format(d["crc32_ms_8bit_payload"])),
     "bench.compression.crc_share": _fig(COMPRESSION, _crc_share),
+    "bench.compression.stat_range_worst_8": _stat_range_worst(8),
+    "bench.compression.stat_range_worst_4": _stat_range_worst(4),
+    "bench.compression.stat_range_worst_2": _stat_range_worst(2),
     "bench.compression.absmax8_more_accurate": _fig(
         COMPRESSION, lambda d: _mse_over(d, "statistical 8b row", "linear absmax 8b row")
     ),

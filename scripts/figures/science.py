@@ -5,8 +5,9 @@ Sources are committed JSONs: the pico study's tables (experiments/paper_check/pi
 `python experiments/paper_check/pico_tables.py --json`; its tables are markdown strings, read here cell by
 cell), the transport study (transport_results.json), the streaming runs, the catalogue survey and the
 benchmarks. A figure is a cell or a field, formatted, or a derivation done here (a mean over seeds, a ratio
-of two losses). Studies whose raw results are not committed (the inner-optimizer study, the quickstart-scale
-study) have no figure here: docs/records/results.md keeps their tables.
+of two losses). Studies whose raw results are not committed (the inner-optimizer study's alignment runs,
+the quickstart-scale study) have no figure here: docs/records/results.md keeps their tables. The
+inner-optimizer study's gaps are figures/inner.py's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ RESULTS = "experiments/benchmarks/results"
 STREAMING = (f"{RESULTS}/streaming.json", f"{RESULTS}/streaming_seed1.json")  # seeds 0 and 1
 SURVEY = "experiments/optimizers/results/catalogue_survey.json"
 MUON = f"{RESULTS}/bench_muon.json"
+GRAM_BLOCK = f"{RESULTS}/bench_gram_block.json"  # deterministic, no timing
 BATCHED_STEP = f"{RESULTS}/bench_batched_step.json"
 BATCHED_FORWARD = f"{RESULTS}/bench_batched_forward.json"
 PAIRED_MUON = f"{RESULTS}/bench_simulation_paired_muon.json"
@@ -48,6 +50,10 @@ SPLIT = "nesterov=true, ns=keller, wd=0, qkv=split"
 
 
 # -- pico_results.json: markdown tables, cell by cell ------------------------------------------------------
+def _diverged_count(summary: dict) -> str:
+    return f"{len(summary['diverged'])} of {summary['cases']}"
+
+
 def _tables(text: str) -> list[list[list[str]]]:
     """A markdown string's tables, each a list of rows (the header first, the --- row dropped)."""
     tables = []
@@ -347,6 +353,15 @@ FIGURES = {
     "science.optim.fp32_gflops": Figure(MUON, lambda d: f"{d['matmul_gflops']['torch.float32']:.0f} GFLOP/s"),
     "science.optim.bf16_speedup": Figure(
         MUON, lambda d: f"{d['matmul_gflops']['torch.bfloat16'] / d['matmul_gflops']['torch.float32']:.1f}x"
+    ),
+    "science.optim.gram2_excess": Figure(
+        GRAM_BLOCK, lambda d: "{:.1f}".format(d["summary"]["gram_block_2"]["max_excess_pp"])
+    ),
+    "science.optim.gram2_diverged": Figure(
+        GRAM_BLOCK, lambda d: _diverged_count(d["summary"]["gram_block_2"])
+    ),
+    "science.optim.gram3_diverged": Figure(
+        GRAM_BLOCK, lambda d: _diverged_count(d["summary"]["gram_block_3"])
     ),
     "science.optim.gram_gflop": Figure(MUON, lambda d: f"{d['ns_gflop_per_step']['ours keller 5 auto']:.0f}"),
     "science.optim.standard_gflop": Figure(

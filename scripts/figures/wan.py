@@ -336,3 +336,34 @@ if __name__ == "__main__":
     print(headline_table())
     print()
     print(overlap_table())
+
+
+# -- the rows' lrs, tuned under the headline's schedule (configs/sweeps/wan_tune*.yaml, one seed) ------------
+TUNE = "experiments/wan/results/wan_tune/tuned.json"
+TUNE_HOOKS = "experiments/wan/results/wan_tune_hooks/tuned.json"
+
+
+def tuned_lr(source: str, settings: dict, side: str, key: str) -> Figure:
+    """The best `key` of a tuned.json row (`muloco report --tune-over`) whose settings include `settings`;
+    side "cell": the DiLoCo/MuLoCo runs', "dp": the DP baseline's."""
+
+    def render(data: dict) -> str:
+        for row in data["rows"]:
+            cell = row[side]
+            if cell is not None and settings.items() <= cell["settings"].items():
+                return f"{cell['best'][key]:g}"
+        raise FigureError(f"no tuned row with {settings} ({side})")
+
+    return Figure(source, render)
+
+
+FIGURES.update(
+    {
+        "wan.tune.dp_lr": tuned_lr(TUNE, {"inner.optimizer": "muon"}, "dp", "inner.lr"),
+        "wan.tune.muloco_lr": tuned_lr(TUNE, {"inner.optimizer": "muon"}, "cell", "inner.lr"),
+        "wan.tune.diloco_lr": tuned_lr(TUNE, {"inner.optimizer": "adamw"}, "cell", "inner.adamw.lr"),
+        # a sweep of DP runs only: its runs are the report's cells
+        "wan.tune.bf16_lr": tuned_lr(TUNE_HOOKS, {"dp.comm_hook": "bf16"}, "cell", "inner.lr"),
+        "wan.tune.powersgd_lr": tuned_lr(TUNE_HOOKS, {"dp.comm_hook": "powersgd"}, "cell", "inner.lr"),
+    }
+)
