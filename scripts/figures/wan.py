@@ -10,6 +10,7 @@ table with `python scripts/figures/wan.py`, paste it over docs/wan.md's, then
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -243,8 +244,15 @@ FIGURES: dict[str, Figure] = {
 }
 
 
-# -- the headline again (issue 59): overlap, and the strongest baseline, at ratio 50 -----------------------
-OVERLAP = "experiments/wan/results/wan_headline_59_r50.json"
+# -- the headline again (issue 59): overlap, and the strongest baseline, per ratio -------------------------
+# Ratio 50 ran the whole-window rows at pico's outer lr and momentum; ratios 5 and 0.5 at their own tuned
+# ones (wan_rows.py), over curves of their own.
+OVERLAP_SOURCES = {
+    50: "experiments/wan/results/wan_headline_59_r50.json",
+    5: "experiments/wan/results/wan_headline_59_r5.json",
+    0.5: "experiments/wan/results/wan_headline_59_r0.5.json",
+}
+OVERLAP = OVERLAP_SOURCES[50]
 OVERLAP_ROWS = (
     "ddp",
     "ddp_powersgd",
@@ -289,31 +297,33 @@ def ddp_check(source: str, ratio: float, field: str, fmt: str) -> Figure:
 
 
 def overlap_figures() -> dict[str, Figure]:
-    figures = {
-        "wan59.r50.link": wan_link(OVERLAP, 50, "label", "{}"),
-        "wan59.r50.ddp.ratio_measured": wan_median(OVERLAP, "ddp", 50, "ratio_measured", "{:.1f}"),
-        "wan59.repeats": wan_repeats(OVERLAP),
-        "wan59.r50.check.kind": ddp_check(OVERLAP, 50, "kind", "{}"),
-        "wan59.r50.check.measured_s": ddp_check(OVERLAP, 50, "measured_s", "{:,.0f} s"),
-        "wan59.r50.check.ratio": ddp_check(OVERLAP, 50, "extrapolated_over_measured", "{:.3f}"),
-    }
-    for key in OVERLAP_ROWS:
-        for cell, field, fmt, scale in OVERLAP_CELLS:
-            # the wait is measured whether or not a row reaches DDP's loss
-            spread = wan_spread if cell == "wait" else spread_or_missed
-            figures[f"wan59.r50.{key}.{cell}"] = spread(OVERLAP, key, 50, field, fmt, scale)
-        # one loss curve serves every repeat (bench_wan reuses it), so one value
-        figures[f"wan59.r50.{key}.val_equal_tokens"] = wan_median(
-            OVERLAP, key, 50, "val_equal_tokens", "{:.3f}"
-        )
+    figures = {"wan59.repeats": wan_repeats(OVERLAP)}
+    for ratio, source in OVERLAP_SOURCES.items():
+        r = f"wan59.r{ratio:g}"
+        figures |= {
+            f"{r}.link": wan_link(source, ratio, "label", "{}"),
+            f"{r}.ddp.ratio_measured": wan_median(source, "ddp", ratio, "ratio_measured", "{:.1f}"),
+            f"{r}.check.kind": ddp_check(source, ratio, "kind", "{}"),
+            f"{r}.check.measured_s": ddp_check(source, ratio, "measured_s", "{:,.0f} s"),
+            f"{r}.check.ratio": ddp_check(source, ratio, "extrapolated_over_measured", "{:.3f}"),
+        }
+        for key in OVERLAP_ROWS:
+            for cell, field, fmt, scale in OVERLAP_CELLS:
+                # the wait is measured whether or not a row reaches DDP's loss
+                spread = wan_spread if cell == "wait" else spread_or_missed
+                figures[f"{r}.{key}.{cell}"] = spread(source, key, ratio, field, fmt, scale)
+            # one loss curve serves every repeat (bench_wan reuses it), so one value
+            figures[f"{r}.{key}.val_equal_tokens"] = wan_median(
+                source, key, ratio, "val_equal_tokens", "{:.3f}"
+            )
     return figures
 
 
 FIGURES.update(overlap_figures())
 
 
-def overlap_table() -> str:
-    """docs/wan.md's table of the issue-59 rerun at ratio 50, marked (docs_figures.py --write fills it)."""
+def overlap_table(ratio: float = 50) -> str:
+    """docs/wan.md's table of the issue-59 rerun at `ratio`, marked (docs_figures.py --write fills it)."""
     labels = {
         **LABELS,
         "muloco_4bit_window": "MuLoCo 4-bit, whole window overlapped",
@@ -326,7 +336,7 @@ def overlap_table() -> str:
     ]
     for key in OVERLAP_ROWS:
         names = [cell for cell, *_ in OVERLAP_CELLS] + ["val_equal_tokens"]
-        cells = [f"<!-- fig wan59.r50.{key}.{cell} -->?<!-- /fig -->" for cell in names]
+        cells = [f"<!-- fig wan59.r{ratio:g}.{key}.{cell} -->?<!-- /fig -->" for cell in names]
         window = " (window)" if key in PER_STEP else ""
         lines.append(f"| {labels[key]} | {cells[0]}{window} | " + " | ".join(cells[1:]) + " |")
     return "\n".join(lines)
@@ -335,12 +345,16 @@ def overlap_table() -> str:
 if __name__ == "__main__":
     print(headline_table())
     print()
-    print(overlap_table())
+    for ratio in OVERLAP_SOURCES:
+        print()
+        print(overlap_table(ratio))
 
 
 # -- the rows' lrs, tuned under the headline's schedule (configs/sweeps/wan_tune*.yaml, one seed) ------------
 TUNE = "experiments/wan/results/wan_tune/tuned.json"
 TUNE_HOOKS = "experiments/wan/results/wan_tune_hooks/tuned.json"
+TUNE_OVERLAP = "experiments/wan/results/wan_tune_overlap/tuned.json"
+TUNE_NAIVE = "experiments/wan/results/wan_tune_overlap_naive/tuned.json"  # the naive row's grid, extended
 
 
 def tuned_lr(source: str, settings: dict, side: str, key: str) -> Figure:
@@ -357,8 +371,26 @@ def tuned_lr(source: str, settings: dict, side: str, key: str) -> Figure:
     return Figure(source, render)
 
 
+def tuned_outer(eager: bool) -> Figure:
+    """'lr, momentum' of a whole-window row: the lowest final loss among wan_tune_overlap's cell of that
+    variant and (naive) wan_tune_overlap_naive's, the grid extended below its lowest momentum."""
+
+    def render(data: dict) -> str:
+        rows = [r for r in data["rows"] if r["cell"]["settings"].get("sync.eager") is eager]
+        if not eager:
+            rows += json.loads((Path(__file__).resolve().parents[2] / TUNE_NAIVE).read_text())["rows"]
+        if not rows:
+            raise FigureError(f"no tuned row with sync.eager {eager}")
+        best = min(rows, key=lambda r: r["final_val_loss"])["cell"]["best"]
+        return f"{best['outer.lr']:g}, {best['outer.momentum']:g}"
+
+    return Figure(TUNE_OVERLAP, render)
+
+
 FIGURES.update(
     {
+        "wan.tune.window_outer": tuned_outer(False),
+        "wan.tune.eager_outer": tuned_outer(True),
         "wan.tune.dp_lr": tuned_lr(TUNE, {"inner.optimizer": "muon"}, "dp", "inner.lr"),
         "wan.tune.muloco_lr": tuned_lr(TUNE, {"inner.optimizer": "muon"}, "cell", "inner.lr"),
         "wan.tune.diloco_lr": tuned_lr(TUNE, {"inner.optimizer": "adamw"}, "cell", "inner.adamw.lr"),

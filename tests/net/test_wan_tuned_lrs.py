@@ -1,5 +1,6 @@
-"""The WAN headline's rows run at the lrs their committed tune found (configs/sweeps/wan_tune*.yaml), so a
-row's lr cannot drift from the sweep that justifies it (issue 60: every figure traceable to its JSON)."""
+"""The WAN headline's rows run at the lrs (and outer settings) their committed tune found
+(configs/sweeps/wan_tune*.yaml), so a row's lr cannot drift from the sweep that justifies it (issue 60: every
+figure traceable to its JSON)."""
 
 import json
 import sys
@@ -12,12 +13,28 @@ RESULTS = ROOT / "experiments/wan/results"
 sys.path.insert(0, str(ROOT / "experiments/wan"))
 
 
-def _best(source: str, settings: dict, side: str) -> dict:
-    """The best settings of the tuned.json row whose `side` ("cell" or "dp") matches `settings`."""
+WINDOW, EAGER, NAIVE = "muloco_4bit_window", "muloco_4bit_eager", {"sync.eager": False}
+OUTER = ("outer.lr", "outer.momentum")
+
+
+def _tuned(source: str, settings: dict, side: str) -> dict:
+    """The tuned.json row whose `side` ("cell" or "dp") matches `settings` (a setting the sweep fixed, not
+    among the row's settings, is taken as matching: wan_tune_overlap_naive fixes sync.eager)."""
     rows = json.loads((RESULTS / source / "tuned.json").read_text())["rows"]
-    cells = [r[side] for r in rows if r[side] is not None and settings.items() <= r[side]["settings"].items()]
-    assert len(cells) == 1, f"{source}: {len(cells)} tuned rows match {settings} ({side})"
-    return cells[0]["best"]
+    found = [
+        r
+        for r in rows
+        if r[side] is not None and all(r[side]["settings"].get(k, v) == v for k, v in settings.items())
+    ]
+    assert len(found) == 1, f"{source}: {len(found)} tuned rows match {settings} ({side})"
+    return found[0]
+
+
+def _best(source: str, settings: dict, side: str) -> dict:
+    """The best settings of one tune, or of several ("a+b": the grid extended by a second sweep, the
+    lowest final val loss of their bests)."""
+    tuned = [_tuned(part, settings, side) for part in source.split("+")]
+    return min(tuned, key=lambda row: row["final_val_loss"])[side]["best"]
 
 
 @pytest.mark.parametrize(
@@ -29,6 +46,10 @@ def _best(source: str, settings: dict, side: str) -> dict:
         # wan_tune_hooks is a sweep of DP runs only: the report's cells are its runs
         ("ddp_bf16", "wan_tune_hooks", {"dp.comm_hook": "bf16"}, "cell", "inner.lr", "inner.lr"),
         ("ddp_powersgd", "wan_tune_hooks", {"dp.comm_hook": "powersgd"}, "cell", "inner.lr", "inner.lr"),
+        # the whole-window rows' outer settings (issue 59), per variant; wan_tune_overlap_naive extends the
+        # naive row's momentum below the first grid's edge (0.3)
+        *[(WINDOW, "wan_tune_overlap+wan_tune_overlap_naive", NAIVE, "cell", k, k) for k in OUTER],
+        *[(EAGER, "wan_tune_overlap", {"sync.eager": True}, "cell", k, k) for k in OUTER],
     ],
 )
 def test_each_row_runs_at_its_tuned_lr(row, source, settings, side, field, key):
