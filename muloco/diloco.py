@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from muloco.comm import Backend, LocalBackend
+from muloco.comm.aggregate import tolerated
 from muloco.compress import Compressor
 from muloco.config import CompressionConfig, HivemindBackendConfig, OuterConfig, SyncConfig
 from muloco.errors import UserError
@@ -90,8 +91,8 @@ class DiLoCo:
         steps at once, as `muloco train` ends a run; max_bad_syncs: syncs in a row with this replica left
         out (non-finite) before TrainingError; transport: how compressed syncs travel (sync.transport:
         all_gather, reduce_scatter or auto; reduce_scatter needs collectives, not a swarm); aggregate, trim:
-        how a sync combines the contributions (sync.aggregate, sync.trim: mean, trimmed_mean, median,
-        centered_clip; docs/security.md); eager: eager updates of an overlapped sync (sync.eager,
+        how a sync combines the contributions (sync.aggregate, sync.trim: mean, sender_mean, trimmed_mean,
+        median, centered_clip; docs/security.md); eager: eager updates of an overlapped sync (sync.eager,
         docs/streaming.md)."""
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(
@@ -115,7 +116,7 @@ class DiLoCo:
                 f"CompressionConfig, got {type(compression).__name__}"
             )
         self.model, self.inner_optimizer = model, inner_optimizer
-        reducer = _reducer_for(backend, trim if aggregate != "mean" else 0)
+        reducer = _reducer_for(backend, tolerated(aggregate, trim))
         params = [p.data for p in model.parameters()]
         device = params[0].device if params else torch.device("cpu")
         if isinstance(reducer, CollectiveReducer):

@@ -30,6 +30,16 @@ COMPRESSIONS = {
     "fp32": [],
     "stat4": ["compression.scheme=statistical", "compression.bits=4"],
     "stat2-ef": ["compression.scheme=statistical", "compression.bits=2", "compression.error_feedback=true"],
+    # SparseLoCo's codec and aggregate: 1/32 of every 64 x 64 tile at 2 bits, each coordinate averaged over
+    # the workers that sent it (an all-gather on every backend: sparse parts are not reduce-scattered)
+    "topk2-ef": [
+        "compression.scheme=topk",
+        "compression.topk_chunk=4096",
+        "compression.topk_fraction=0.03125",
+        "compression.topk_value_bits=2",
+        "compression.error_feedback=true",
+        "sync.aggregate=sender_mean",
+    ],
 }
 # window: a whole window overlapped (tau = H = 3), eager: with eager updates; local, torch and torchft
 # carry both, hivemind refuses them.
@@ -60,6 +70,8 @@ def overrides(K: int, compression: str, fragments: str, tmp_path: Path) -> list[
 def expected_transport(backend: str, K: int, compression: str, fragments: str) -> str:
     if compression == "fp32":
         return "all_reduce"
+    if compression == "topk2-ef":
+        return "all_gather"
     carries_scatter = backend in ("local", "torch")  # a fixed set of workers (Reducer.transports)
     overlapped = fragments != "whole"  # tau > 0: auto takes all_gather, all of it under the compute
     return "reduce_scatter" if carries_scatter and K >= 3 and not overlapped else "all_gather"
@@ -190,6 +202,11 @@ def test_workers_of_two_ranks_at_the_defaults(tmp_path, backend, nproc, K):
         (["backend.kind=hivemind", "sync.transport=reduce_scatter"], "sync.transport=reduce_scatter"),
         (["backend.kind=torchft", "sync.transport=reduce_scatter"], "sync.transport=reduce_scatter"),
         (["sync.aggregate=median", "sync.transport=reduce_scatter"], "sync.aggregate=median"),
+        (
+            ["compression.scheme=topk", "compression.topk_chunk=4096", "sync.transport=reduce_scatter"],
+            "compression.topk_chunk",
+        ),
+        (["compression.scheme=topk", "compression.topk_chunk=1000"], "topk_chunk must be a square"),
         (["backend.kind=hivemind", "sync.overlap=3"], "sync.overlap=3"),
         (["backend.kind=hivemind", "sync.overlap=2", "sync.eager=true"], "sync.eager"),
         (["sync.eager=true"], "sync.eager"),

@@ -40,6 +40,7 @@ NOT_OURS = {
     "quantization.py": "hivemind's compression/quantization.py",
     "encoder.py": "OpenAI's GPT-2 encoder.py (the byte-level BPE)",
     "powerSGD_hook.py": "torch's DDP PowerSGD hook",
+    "sparseloco.py": "SparseLoCo's reference code (tplr/sparseloco.py, its authors' initial commit)",
 }
 
 

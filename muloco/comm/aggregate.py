@@ -4,6 +4,11 @@ Every rule is deterministic and sees the contributions in one fixed order (repli
 swarm), so every member that holds the same contributions computes the same bytes.
 
 - mean:          the plain mean; no tolerance for a bad member (one can move it arbitrarily).
+- sender_mean:   per coordinate, the mean over the contributions that sent it (decode nonzero), 0 where
+                 none did: SparseLoCo's aggregate of sparse parts (Sarfi et al. 2025, arXiv 2508.15706; its
+                 code's scatter_reduce "mean" with include_self=False), so an entry only one worker kept is
+                 not shrunk K-fold. A kept value of exactly 0 counts as not sent here (it adds nothing to the
+                 sum; the reference would count it); dense contributions give the plain mean. No tolerance.
 - trimmed_mean:  per coordinate, drop the f largest and f smallest values and average the rest (f =
                  sync.trim, at most (n - 1) // 2 of n): tolerates f bad members (Yin et al. 2018,
                  "Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates").
@@ -22,8 +27,9 @@ from typing import Literal
 
 import torch
 
-Aggregate = Literal["mean", "trimmed_mean", "median", "centered_clip"]
-AGGREGATES: tuple[str, ...] = ("mean", "trimmed_mean", "median", "centered_clip")
+Aggregate = Literal["mean", "sender_mean", "trimmed_mean", "median", "centered_clip"]
+ROBUST: tuple[str, ...] = ("trimmed_mean", "median", "centered_clip")  # they tolerate bad members
+AGGREGATES: tuple[str, ...] = ("mean", "sender_mean", *ROBUST)
 CLIP_ITERATIONS = 3  # Karimireddy et al. show a single iteration suffices from a good start; 3 is cheap
 SORTING_NETWORK_MAX = 16  # the network's n^2 / 2 elementwise steps beat torch.sort up to here
 
@@ -39,6 +45,8 @@ def aggregate(
         raise ValueError(f"unknown aggregate {rule!r}: use one of {', '.join(AGGREGATES)}")
     if rule == "mean" or len(contributions) == 1:
         return _mean(contributions)
+    if rule == "sender_mean":
+        return [_sender_mean(list(values)) for values in zip(*contributions, strict=True)]
     out = []
     for values in zip(*contributions, strict=True):
         if rule == "trimmed_mean":
@@ -48,6 +56,11 @@ def aggregate(
         else:
             out.append(_centered_clip(list(values)))
     return out
+
+
+def tolerated(rule: str, trim: int) -> int:
+    """Bad members `rule` tolerates: sync.trim for the robust rules, none for the means."""
+    return trim if rule in ROBUST else 0
 
 
 def robust_minimum(trim: int) -> int:
@@ -66,6 +79,14 @@ def _mean(contributions: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     for tensors in contributions[1:]:
         torch._foreach_add_(total, list(tensors))
     return [t.div_(len(contributions)) for t in total]
+
+
+def _sender_mean(values: list[torch.Tensor]) -> torch.Tensor:
+    total, senders = values[0].clone(), (values[0] != 0).to(values[0].dtype)
+    for v in values[1:]:
+        total.add_(v)
+        senders.add_((v != 0).to(senders.dtype))
+    return total.div_(senders.clamp_(min=1))
 
 
 def _sorted(values) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ Map of the package (arrows point down only):
       -> linear.py     scheme linear (absmax / minmax)          } both GroupQuantizers (group.py):
       -> statistical.py scheme statistical (centroid table)     } quantize.py's codes + per-group stats
       -> topk.py       scheme topk: pure top-k functions (selection, delta-coded indices) and TopK
+        -> chunks.py   chunked top-k's tiles (SparseLoCo): geometry, k per chunk, to / from chunks
     error_feedback.py  ErrorFeedback: per-replica residuals, e = decay * e + delta; e -= alpha * deQ(Q(e))
     base.py            Compressor (encode / decode_sections), register_scheme, scheme_class, shared helpers
       -> quantize.py   pure functions: group statistics, codes, lookup tables, dequantization

@@ -20,7 +20,7 @@ from muloco.compress.quantize import GRANULARITIES, LINEAR_MODES
 from muloco.compress.statistical import check_stat_range
 from muloco.compress.topk import check_fraction
 from muloco.compress.wire import parse
-from muloco.config.bits import QUANT_BITS, TOPK_VALUE_BITS
+from muloco.config.bits import QUANT_BITS, TOPK_VALUE_BITS, check_chunk
 
 
 def get_compressor(
@@ -32,6 +32,7 @@ def get_compressor(
     stat_range: float | None = None,
     topk_fraction: float = 0.01,
     topk_value_bits: int = 32,
+    topk_chunk: int | None = None,
 ) -> Compressor:
     """The compressor for `scheme` (none | bf16 | linear | statistical | topk). Arguments a scheme does not
     use are still validated (a typo should not pass silently). Bad arguments raise ValueError naming them."""
@@ -43,6 +44,7 @@ def get_compressor(
     check_block_size(block_size)
     check_stat_range(stat_range)
     check_fraction(topk_fraction)
+    check_chunk(topk_chunk)
     return scheme_class(scheme).from_options(
         bits=bits,
         granularity=granularity,
@@ -51,6 +53,7 @@ def get_compressor(
         stat_range=stat_range,
         topk_fraction=topk_fraction,
         topk_value_bits=topk_value_bits,
+        topk_chunk=topk_chunk,
     )
 
 
@@ -66,6 +69,7 @@ def get_compressor_from_config(cfg) -> Compressor:
         stat_range=cfg.stat_range,
         topk_fraction=cfg.topk_fraction,
         topk_value_bits=cfg.topk_value_bits,
+        topk_chunk=cfg.topk_chunk,
     )
 
 

@@ -1,12 +1,20 @@
 """Top-k sparsification as pure functions: which entries to keep and how their indices travel.
 
-Indices are sorted and delta-coded (gap_0 = i_0, gap_j = i_j - i_(j-1) - 1 >= 0), then packed at the
-minimal width that holds the largest gap. With k = fraction * n entries spread over n, the gaps are about
-1 / fraction, so indices cost ~log2(1 / fraction) + a few bits each instead of log2(n) (e.g. ~12 instead
-of 24 bits at 1% of 16M).
+Per tensor (`chunk` unset): the k largest of the whole tensor; indices are sorted and delta-coded (gap_0 =
+i_0, gap_j = i_j - i_(j-1) - 1 >= 0), then packed at the minimal width that holds the largest gap. With k =
+fraction * n entries spread over n, the gaps are about 1 / fraction, so indices cost ~log2(1 / fraction) + a
+few bits each instead of log2(n) (e.g. ~12 instead of 24 bits at 1% of 16M).
 
-The pure functions come first; `TopK`, the scheme's compressor, holds the fraction and value bits and calls
-them. Body sections: indices (packed gaps), [step bf16 (1,) for 8-bit values], values.
+Chunked (`chunk` = entries per chunk, a square: SparseLoCo's tiles, chunks.py): the k largest of every chunk,
+each index its position in the chunk at log2(chunk) bits (12 at 4,096), vectorised over the chunks.
+
+The kept values travel as fp32, bf16, 8-bit linear absmax, or 4 / 2-bit statistical over all the tensor's kept
+values (mean-centred bins decoded to their centroids, quantize.py; SparseLoCo sends its values at 2 bits the
+same way, with its own bin edges).
+
+The pure functions come first; `TopK`, the scheme's compressor, holds the fraction, chunk and value bits and
+calls them. Body sections: indices (packed gaps, or in-chunk positions), [offset fp32 (1,)], [step bf16 (1,)
+for 8/4/2-bit values], [lut fp32 (2**bits,) for 4/2-bit values], values.
 """
 
 from __future__ import annotations
@@ -31,11 +39,12 @@ from muloco.compress.base import (
     to_numpy,
     with_body_size,
 )
+from muloco.compress.chunks import Tiling, from_chunks, kept_per_chunk, tiling, to_chunks
 from muloco.compress.errors import CompressionError
-from muloco.compress.packing import pack_uint, uint_width, unpack_uint
+from muloco.compress.packing import pack_codes, pack_uint, uint_width, unpack_uint
 from muloco.compress.quantize import BF16_MAX, dequantize, linear_lut, quantize
 from muloco.compress.wire import TOPK_MAX_EXPANSION, Header, assemble
-from muloco.config.bits import TOPK_VALUE_BITS
+from muloco.config.bits import TOPK_VALUE_BITS, check_chunk
 
 MIN_TOPK_FRACTION = 1.0 / TOPK_MAX_EXPANSION
 
@@ -104,76 +113,165 @@ def check_fraction(fraction) -> None:
         raise ValueError(f"topk_fraction must be in [{MIN_TOPK_FRACTION:.3g}, 1], got {fraction!r}")
 
 
+def select_chunked(x: torch.Tensor, t: Tiling, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` largest-magnitude entries of every chunk: (positions in the chunk ascending, (chunks, k)
+    int64; their values (chunks, k)). One batched top-k over all chunks; ties as torch.topk breaks them."""
+    chunks = to_chunks(x, t)
+    if k == t.chunk_len:
+        idx = torch.arange(k, device=x.device).expand(t.chunks, k)
+    else:
+        idx = torch.topk(chunks.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+    return idx, chunks.gather(1, idx)
+
+
+def decode_chunk_positions(packed: torch.Tensor, width: int, t: Tiling, k: int) -> torch.Tensor:
+    """Inverse of packing `select_chunked`'s positions: (chunks, k), each row strictly increasing and below
+    the chunk's length (checked: a malformed payload must not write one entry twice or out of its chunk)."""
+    idx = unpack_uint(packed, width, t.chunks * k).view(t.chunks, k)
+    if idx.numel() and (int(idx[:, -1].max()) >= t.chunk_len or bool((idx.diff(dim=1) <= 0).any())):
+        raise CompressionError(
+            "malformed compressed payload: chunked top-k positions not increasing "
+            f"within 0..{t.chunk_len - 1}"
+        )
+    return idx
+
+
+def encode_values(vals: torch.Tensor, bits: int) -> list[np.ndarray]:
+    """The body sections of the kept values (flat fp32) at `bits`."""
+    if bits == 32:
+        return [to_numpy(vals)]
+    if bits == 16:
+        v16 = vals.to(torch.bfloat16)
+        if not bool(torch.isfinite(v16).all()):
+            raise CompressionError(f"values beyond the bf16 range (|x| > {BF16_MAX:.3g})")
+        return [bf16_bits(v16)]
+    if vals.numel() == 0:  # no group: a zero step (and offset, table) keeps the layout fixed
+        zero = torch.zeros(1)
+        lut = [] if bits == 8 else [to_numpy(torch.zeros(2**bits))]
+        return [
+            *([] if bits == 8 else [to_numpy(zero)]),
+            bf16_bits(zero.bfloat16()),
+            *lut,
+            np.zeros(0, np.uint8),
+        ]
+    if bits == 8:
+        q = quantize(vals.contiguous(), 8, "absmax", "tensor")
+        return [bf16_bits(q.steps), to_numpy(q.codes)]
+    q = quantize(vals.contiguous(), bits, "statistical", "tensor")
+    return [to_numpy(q.offsets), bf16_bits(q.steps), to_numpy(q.lut), to_numpy(pack_codes(q.codes, bits))]
+
+
+def decode_values(sections: dict[str, memoryview], bits: int, k: int) -> torch.Tensor:
+    """Inverse of `encode_values`: (k,) fp32, statistics checked."""
+    if bits == 32:
+        vals = read_f32(sections["values"])
+    elif bits == 16:
+        vals = read_bf16(sections["values"])
+    else:
+        step = read_bf16(sections["steps"])
+        check_stats("the top-k step", step, nonneg=True)
+        codes = read_array(sections["values"], np.uint8)
+        if bits == 8:
+            vals = dequantize(codes, step, None, linear_lut(8, "absmax"), 8, (k,), "tensor", 1)
+        else:
+            offset, lut = read_f32(sections["offsets"]), read_f32(sections["lut"])
+            check_stats("the top-k offset and lookup table", torch.cat([offset, lut]))
+            vals = dequantize(codes, step, offset, lut, bits, (k,), "tensor", 1)
+    check_stats("top-k values", vals)
+    return vals
+
+
 @register_scheme
 class TopK(Compressor):
-    """Keep the ceil(fraction * n) largest-magnitude entries; the rest decode to 0.
-    Values travel as fp32, bf16, or 8-bit linear absmax with one bf16 step per tensor."""
+    """Keep the largest-magnitude entries, of the whole tensor (ceil(fraction * n)) or of every chunk
+    (`chunk` entries, a square; chunks.py); the rest decode to 0. Values travel at `value_bits`."""
 
     scheme = "topk"
 
-    def __init__(self, fraction: float = 0.01, value_bits: int = 32):
+    def __init__(self, fraction: float = 0.01, value_bits: int = 32, chunk: int | None = None):
         check_fraction(fraction)
         check_choice("topk_value_bits", value_bits, TOPK_VALUE_BITS)
-        self.fraction, self.value_bits = float(fraction), value_bits
+        self.side = check_chunk(chunk)
+        self.fraction, self.value_bits, self.chunk = float(fraction), value_bits, chunk
 
     @classmethod
-    def from_options(cls, *, topk_fraction, topk_value_bits, **_) -> TopK:
-        return cls(topk_fraction, topk_value_bits)
+    def from_options(cls, *, topk_fraction, topk_value_bits, topk_chunk=None, **_) -> TopK:
+        return cls(topk_fraction, topk_value_bits, topk_chunk)
+
+    def kept(self, shape: tuple[int, ...]) -> int:
+        """Entries a payload of `shape` keeps."""
+        if self.side is None:
+            return topk_count(math.prod(shape), self.fraction)
+        t = tiling(shape, self.side)
+        return t.chunks * kept_per_chunk(t.chunk_len, self.fraction) if t.chunks else 0
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         x, dtype = prepare(tensor)
         check_finite(x)
-        flat = x.view(-1)
-        k = topk_count(flat.numel(), self.fraction)
         with torch.profiler.record_function("muloco::compress::topk"):
-            idx, vals = select_topk(flat, k)
-            width, packed_idx = encode_indices(idx)
-            sections = [to_numpy(packed_idx)]
-            if self.value_bits == 32:
-                sections.append(to_numpy(vals))
-            elif self.value_bits == 16:
-                v16 = vals.to(torch.bfloat16)
-                if not bool(torch.isfinite(v16).all()):
-                    raise CompressionError(f"values beyond the bf16 range (|x| > {BF16_MAX:.3g})")
-                sections.append(bf16_bits(v16))
+            if self.side is None:
+                k = topk_count(x.numel(), self.fraction)
+                idx, vals = select_topk(x.view(-1), k)
+                width, packed_idx = encode_indices(idx)
             else:
-                q = quantize(vals.contiguous(), 8, "absmax", "tensor")
-                step = q.steps if k else torch.zeros(1, dtype=torch.bfloat16)  # k = 0: no group, a 0 step
-                sections += [bf16_bits(step), to_numpy(q.codes)]
-        h = Header("topk", self.value_bits, "tensor", width, dtype, tuple(x.shape), 0, k, 0)
+                t = tiling(tuple(x.shape), self.side)
+                k = self.kept(tuple(x.shape))
+                width = uint_width(t.chunk_len - 1)
+                if k:
+                    idx, vals = select_chunked(x, t, k // t.chunks)
+                    packed_idx, vals = pack_uint(idx.reshape(-1), width), vals.reshape(-1)
+                else:
+                    packed_idx, vals = torch.empty(0, dtype=torch.uint8), x.view(-1)
+            sections = [to_numpy(packed_idx), *encode_values(vals, self.value_bits)]
+        h = Header("topk", self.value_bits, self._granularity, width, dtype, tuple(x.shape), self._side, k, 0)
         return assemble(with_body_size(h), sections)
 
     @classmethod
     def decode_sections(cls, h: Header, sections: dict[str, memoryview]) -> torch.Tensor:
         n, k = h.numel, h.count
         packed_idx = torch.from_numpy(read_array(sections["indices"], np.uint8).copy())
-        idx = decode_indices(packed_idx, h.mode, k, n)
-        if h.bits == 32:
-            vals = read_f32(sections["values"])
-        elif h.bits == 16:
-            vals = read_bf16(sections["values"])
-        else:
-            step = read_bf16(sections["steps"])
-            check_stats("the top-k step", step, nonneg=True)
-            codes = read_array(sections["values"], np.uint8)
-            vals = dequantize(codes, step, None, linear_lut(8, "absmax"), 8, (k,), "tensor", 1)
-        check_stats("top-k values", vals)
-        out = torch.zeros(n, dtype=torch.float32)
-        out[idx] = vals
-        return out.view(h.shape)
+        vals = decode_values(sections, h.bits, k)
+        if h.granularity == "tensor":
+            idx = decode_indices(packed_idx, h.mode, k, n)
+            out = torch.zeros(n, dtype=torch.float32)
+            out[idx] = vals
+            return out.view(h.shape)
+        t = tiling(h.shape, h.block_size)
+        if not k:
+            return torch.zeros(h.shape, dtype=torch.float32)
+        idx = decode_chunk_positions(packed_idx, h.mode, t, k // t.chunks)
+        chunks = torch.zeros(t.chunks, t.chunk_len, dtype=torch.float32)
+        chunks.scatter_(1, idx, vals.view(t.chunks, -1))
+        return from_chunks(chunks, t, h.shape)
+
+    @property
+    def _granularity(self) -> str:
+        return "tensor" if self.side is None else "block"
+
+    @property
+    def _side(self) -> int:
+        return 0 if self.side is None else self.side
 
     def _body_header(self, shape) -> Header:
-        n = math.prod(shape)
-        k = topk_count(n, self.fraction)
-        width = uint_width(n - k)  # the largest possible gap: an upper bound
-        return with_body_size(Header("topk", self.value_bits, "tensor", width, torch.float32, shape, 0, k, 0))
+        k = self.kept(shape)
+        if self.side is None:
+            width = uint_width(math.prod(shape) - k)  # the largest possible gap: an upper bound
+        else:
+            width = uint_width(tiling(shape, self.side).chunk_len - 1)  # exact
+        h = Header("topk", self.value_bits, self._granularity, width, torch.float32, shape, self._side, k, 0)
+        return with_body_size(h)
 
     def _header_fields(self) -> dict:
-        return {"scheme": "topk", "bits": self.value_bits}
+        return {
+            "scheme": "topk",
+            "bits": self.value_bits,
+            "granularity": self._granularity,
+            "block_size": self._side,
+        }
 
     def _check_header(self, h: Header) -> None:
         super()._check_header(h)
-        k = topk_count(h.numel, self.fraction)
+        k = self.kept(h.shape)
         if h.count != k:  # also bounds the dense output: numel <~ count / fraction
             raise CompressionError(
                 f"payload keeps {h.count} of {h.numel} entries, this compressor keeps {k} "
@@ -181,4 +279,5 @@ class TopK(Compressor):
             )
 
     def _repr_args(self) -> dict:
-        return {"topk_fraction": self.fraction, "topk_value_bits": self.value_bits}
+        args = {"topk_fraction": self.fraction, "topk_value_bits": self.value_bits}
+        return {**args, "topk_chunk": self.chunk} if self.chunk is not None else args

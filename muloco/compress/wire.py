@@ -6,13 +6,13 @@ Every payload is self-describing and validated before anything is allocated from
     0       4        magic b"MLCQ"
     4       1        version (1)
     5       1        scheme: 0 none, 1 bf16, 2 linear, 3 statistical, 4 topk
-    6       1        bits: 32 (none), 16 (bf16), 1/2/4/8 (linear, statistical), 32/16/8 (topk values)
-    7       1        granularity: 0 tensor, 1 row, 2 block (linear, statistical; else 0)
+    6       1        bits: 32 (none), 16 (bf16), 1/2/4/8 (linear, statistical), 32/16/8/4/2 (topk values)
+    7       1        granularity: 0 tensor, 1 row, 2 block (linear, statistical; topk: 2 chunked; else 0)
     8       1        mode: linear 0 absmax / 1 minmax; topk: index width in bits (1..40); else 0
     9       1        dtype of the tensor that was encoded: 0 float32, 1 bfloat16, 2 float16, 3 float64
     10      1        ndim (0..8)
     11      1        reserved (0)
-    12      4  u32   block_size (granularity block; else 0)
+    12      4  u32   block_size (granularity block; chunked topk: the tile side; else 0)
     16      8  u64   count: groups G (linear, statistical), kept entries k (topk), else 0
     24      8  u64   body_nbytes
     32      8*ndim   shape, u64 each
@@ -22,6 +22,11 @@ Every payload is self-describing and validated before anything is allocated from
 All integers are little-endian. The body size is a pure function of the header fields, so a payload whose
 length does not match its header (truncated, trailing bytes, absurd sizes) is rejected before its body is
 read.
+
+Chunked top-k (granularity block) carries the side of its tiles; the tiling is a pure function of the shape
+and the side (chunks.py), so the header alone says how many chunks there are, how many entries each keeps
+(count / chunks) and the index width (that of chunk_len - 1), and all three are checked. Older readers
+refuse these payloads (a topk granularity or value bits they do not know): no wrong tensor either way.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
+from muloco.compress.chunks import tiling
 from muloco.compress.errors import CompressionError
-from muloco.compress.packing import MAX_UINT_WIDTH, packed_nbytes
+from muloco.compress.packing import MAX_UINT_WIDTH, packed_nbytes, uint_width
 from muloco.compress.quantize import GRANULARITIES, LINEAR_MODES, num_groups
 from muloco.config.bits import QUANT_BITS, TOPK_VALUE_BITS, one_of
 
@@ -99,6 +105,8 @@ def body_layout(h: Header) -> list[tuple[str, int]]:
     out = [("indices", packed_nbytes(k, h.mode))]
     if h.bits == 8:
         out += [("steps", 2), ("values", k)]  # linear absmax 8-bit, one bf16 step
+    elif h.bits in (2, 4):  # statistical over the kept values: offset fp32, step bf16, lut fp32, codes
+        out += [("offsets", 4), ("steps", 2), ("lut", 4 * 2**h.bits), ("values", packed_nbytes(k, h.bits))]
     else:
         out.append(("values", k * h.bits // 8))
     return out
@@ -212,10 +220,17 @@ def _check_fields(h: Header) -> None:
     # topk
     if h.bits not in TOPK_VALUE_BITS:
         raise _fail(f"topk value bits {h.bits} (expected {one_of(TOPK_VALUE_BITS)})")
-    if h.granularity != "tensor" or h.block_size:
+    if h.granularity not in ("tensor", "block") or (h.granularity == "block") != (h.block_size > 0):
         raise _fail(f"inconsistent header fields for topk: {h}")
     if h.count > n or (n > 0 and h.count == 0):
         raise _fail(f"topk keeps {h.count} of {n} elements")
+    if h.granularity == "block":
+        t = tiling(h.shape, h.block_size)
+        if t.chunks and (h.count % t.chunks or h.mode != uint_width(t.chunk_len - 1)):
+            raise _fail(
+                f"chunked topk: {h.count} entries over {t.chunks} chunks of {t.chunk_len} with {h.mode}-bit "
+                f"indices (shape {h.shape}, tiles of side {h.block_size})"
+            )
     # The dense output of a sparse payload is not bounded by the payload's length: bound it here (fractions
     # down to ~1e-6 pass). A configured TopK.decode also checks k against its own fraction.
     if n > (h.count + 1) * TOPK_MAX_EXPANSION:

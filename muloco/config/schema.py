@@ -145,6 +145,17 @@ class Config(Section):
             self._check_torchft()
         if self.method == "diloco" and self.sync.aggregate == "trimmed_mean":
             self._check_trim()
+        if (
+            self.compression.scheme == "topk"
+            and self.compression.topk_chunk
+            and (self.sync.transport == "reduce_scatter")
+        ):
+            # A part owner's mean of K sparse parts keeps up to K x the entries, and re-cutting it to the
+            # chunk's k drops what the senders kept: the all-gather sends the parts as they are.
+            raise ValueError(
+                "compression.topk_chunk (sparse parts) is all-gathered: a part owner's mean of K sparse "
+                "parts is up to K x denser; set sync.transport=all_gather (or auto)"
+            )
         if self.backend.kind == "hivemind" and self.sync.transport == "reduce_scatter":
             raise ValueError(
                 "sync.transport=reduce_scatter needs a fixed set of workers (backend.kind local or torch); a "
@@ -311,6 +322,8 @@ class Config(Section):
             del data["sharding"]  # added after checkpoints existed
         if not data["sync"]["eager"]:
             del data["sync"]["eager"]  # added after checkpoints existed
+        if data["compression"].get("topk_chunk") is None:
+            data["compression"].pop("topk_chunk", None)  # added after checkpoints existed
         if not with_layout:  # a sharded checkpoint resumes with any ranks_per_worker (checkpoint/sharded.py)
             data.pop("ranks_per_worker", None)
             data.pop("sharding", None)

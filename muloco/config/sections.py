@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from muloco.config.bits import QUANT_BITS, TOPK_VALUE_BITS, one_of
+from muloco.config.bits import QUANT_BITS, TOPK_VALUE_BITS, check_chunk, one_of
 
 
 class Section(BaseModel):
@@ -245,13 +245,14 @@ class SyncConfig(Section):
         "link, else the one sending fewer bytes (all_gather at K <= 2 and on hivemind). fp32 syncs are a "
         "ring all-reduce either way.",
     )
-    aggregate: Literal["mean", "trimmed_mean", "median", "centered_clip"] = Field(
+    aggregate: Literal["mean", "sender_mean", "trimmed_mean", "median", "centered_clip"] = Field(
         "mean",
-        description="How a sync combines the contributions, on every backend: mean; trimmed_mean (per "
-        "coordinate, drop the sync.trim largest and smallest); median (per coordinate); centered_clip "
-        "(clip each contribution's distance to a robust center). The robust ones tolerate bad members "
-        "(docs/security.md) and need every contribution whole: an fp32 sync then all-gathers instead of "
-        "all-reducing, and reduce_scatter is refused.",
+        description="How a sync combines the contributions, on every backend: mean; sender_mean "
+        "(per coordinate, the mean over the contributions that sent it: SparseLoCo's, for top-k); "
+        "trimmed_mean (per coordinate, drop the sync.trim largest and smallest); median (per "
+        "coordinate); centered_clip (clip each contribution's distance to a robust center). The robust "
+        "ones tolerate bad members (docs/security.md); all but mean need every contribution whole: an "
+        "fp32 sync then all-gathers instead of all-reducing, and reduce_scatter is refused.",
     )
     trim: int = Field(
         1,
@@ -326,9 +327,19 @@ class CompressionConfig(Section):
         description="statistical: range of +-r standard deviations; default: chosen per bits.",
     )
     topk_fraction: float = Field(
-        0.01, ge=2**-20, le=1, description="topk: fraction of entries kept per tensor."
+        0.01, ge=2**-20, le=1, description="topk: fraction of entries kept per tensor (or per chunk)."
     )
-    topk_value_bits: int = Field(32, description="topk: bits of the kept values: 32 (fp32), 16 (bf16) or 8.")
+    topk_value_bits: int = Field(
+        32,
+        description="topk: bits of the kept values: 32 (fp32), 16 (bf16), 8 (linear), 4 or 2 (statistical "
+        "over the tensor's kept values).",
+    )
+    topk_chunk: int | None = Field(
+        None,
+        description="topk: entries per chunk, a square (4096: tiles of up to 64 x 64 in matrices, runs of up "
+        "to 64 in vectors, as SparseLoCo); each chunk keeps max(1, round(chunk x topk_fraction)) entries, "
+        "indexed at log2(chunk) bits. Unset: top-k of the whole tensor.",
+    )
     error_feedback: bool = Field(False, description="Error feedback: resend what quantization dropped.")
     ef_decay: float = Field(0.9, ge=0, le=1, description="Error-feedback decay: e = decay * e + delta.")
     ef_alpha: float = Field(1.0, ge=0, le=1, description="Error-feedback step: e = e - alpha * deQ(Q(e)).")
@@ -366,6 +377,12 @@ class CompressionConfig(Section):
     def second_stage_bits(self) -> int:
         """The bits of reduce_scatter's owners' means: mean_bits, by default DEFAULT_MEAN_BITS[bits]."""
         return self.mean_bits if self.mean_bits is not None else DEFAULT_MEAN_BITS[self.bits]
+
+    @field_validator("topk_chunk")
+    @classmethod
+    def _square_chunk(cls, chunk: int | None) -> int | None:
+        check_chunk(chunk)
+        return chunk
 
     @field_validator("topk_value_bits")
     @classmethod

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+from muloco.comm.aggregate import tolerated
 from muloco.sync.engine import SyncEngine
 from muloco.sync.gather import global_norm
 from muloco.sync.inflight import InFlightSync, SumCount, SyncRecord
@@ -36,8 +37,7 @@ def build_reducer(cfg, topology) -> Reducer:
     if cfg.backend.kind == "hivemind":
         from muloco.sync.swarm import SwarmReducer
 
-        tolerate = cfg.sync.trim if cfg.sync.aggregate != "mean" else 0
-        return SwarmReducer(cfg.backend.hivemind, cfg.workers, tolerate)
+        return SwarmReducer(cfg.backend.hivemind, cfg.workers, tolerated(cfg.sync.aggregate, cfg.sync.trim))
     if cfg.backend.kind == "torchft":
         from muloco.sync.elastic import ElasticReducer
 

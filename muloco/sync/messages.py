@@ -54,6 +54,13 @@ def build_codecs(
     return [PseudogradientCodec.from_config([names[i] for i in f], roles, compression) for f in fragments]
 
 
+def is_chunked_topk(compression: CompressionConfig | Compressor | None) -> bool:
+    """Chunked top-k (a section's topk_chunk, or a bare TopK with a chunk)."""
+    if isinstance(compression, CompressionConfig):
+        return compression.scheme == "topk" and compression.topk_chunk is not None
+    return getattr(compression, "scheme", None) == "topk" and getattr(compression, "chunk", None) is not None
+
+
 @dataclass
 class MessagePlan:
     codecs: list  # one per fragment (PseudogradientCodec or PartitionedCodec); none: fp32 all-reduce
@@ -90,6 +97,8 @@ def plan_messages(
     mean = sum(c.payload_bits(s) / 8 for c, s in zip(mean_codecs, shapes, strict=True))
     # A reducer that does not declare its transports (a user's own, via the Python API) gets all_gather.
     supported = getattr(reducer, "transports", ("all_gather",))
+    if is_chunked_topk(compression):  # sparse parts travel as they are (config/schema.py)
+        supported = tuple(t for t in supported if t != "reduce_scatter")
     overlapped = sync.overlap > 0
     transport = choose_transport(sync.transport, workers, True, link, message, mean, supported, overlapped)
     if transport == "reduce_scatter" and sharded:

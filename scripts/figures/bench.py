@@ -27,6 +27,8 @@ TRANSPORT_ERROR = f"{RESULTS}/bench_transport_error.json"
 TRANSPORT_QUALITY = "experiments/paper_check/transport_results.json"
 NORM = "experiments/paper_check/norm/tuned.json"
 STAT_RANGE = f"{RESULTS}/bench_stat_range.json"  # deterministic, no timing
+TOPK_CHUNKED = f"{RESULTS}/bench_topk_chunked.json"  # a 1B-entry pseudogradient, 3 interleaved repeats
+SPARSELOCO = "chunked 3.125% 2-bit"  # SparseLoCo's codec (configs/sparseloco.yaml)
 STREAMING = "streaming MuLoCo 4-bit P=3 tau=4"
 
 
@@ -64,6 +66,17 @@ def _crc_share(d: dict) -> str:
 
 def _mse_over(d: dict, worse: str, better: str) -> str:
     return "{:.0f}x".format(d["results"][worse]["rel_mse"] / d["results"][better]["rel_mse"])
+
+
+# -- chunked top-k on a 1B-entry pseudogradient (bench_topk_chunked.py) ----------------------------------
+def _codec_row(codec: str, field: str, fmt: str) -> Figure:
+    return _fig(TOPK_CHUNKED, lambda d: fmt.format(d["rows"][codec][field]))
+
+
+def _per_gb(row: dict) -> str:
+    """Median seconds per GB of fp32 (min-max over the repeats)."""
+    lo, hi = row["s_per_gb_range"]
+    return "{:.2f} s ({:.2f}-{:.2f})".format(row["s_per_gb"], lo, hi)
 
 
 # -- the local cost per sync (bench_sync_cost.py) ------------------------------------------------------
@@ -235,6 +248,12 @@ FIGURES = {
     "bench.compression.stat_range_worst_8": _stat_range_worst(8),
     "bench.compression.stat_range_worst_4": _stat_range_worst(4),
     "bench.compression.stat_range_worst_2": _stat_range_worst(2),
+    "bench.topk_chunked.bits_sparseloco": _codec_row(SPARSELOCO, "bits_per_entry", "{:.2f}"),
+    "bench.topk_chunked.fewer_sparseloco": _codec_row(SPARSELOCO, "x_fewer_than_fp32", "{:.0f}x"),
+    "bench.topk_chunked.s_per_gb_sparseloco": _fig(TOPK_CHUNKED, lambda d: _per_gb(d["rows"][SPARSELOCO])),
+    "bench.topk_chunked.value_mse_2bit": _fig(
+        TOPK_CHUNKED, lambda d: "{:.2f}x".format(d["kept_value_error"]["2"]["ours_over_reference"])
+    ),
     "bench.compression.absmax8_more_accurate": _fig(
         COMPRESSION, lambda d: _mse_over(d, "statistical 8b row", "linear absmax 8b row")
     ),

@@ -28,6 +28,18 @@ def test_each_rule_against_hand_computed_values():
     assert aggregate(column(1.0, 3.0), "trimmed_mean")[0].item() == 2.0  # n = 2: nothing to trim
 
 
+def test_sender_mean_averages_each_coordinate_over_who_sent_it():
+    # SparseLoCo's aggregate of sparse parts: a coordinate one worker kept is not shrunk K-fold
+    a = [torch.tensor([1.0, 0.0, 0.0, -2.0])]
+    b = [torch.tensor([3.0, 0.0, 2.0, 0.0])]
+    c = [torch.tensor([0.0, 0.0, 4.0, 0.0])]
+    assert torch.equal(aggregate([a, b, c], "sender_mean")[0], torch.tensor([2.0, 0.0, 3.0, -2.0]))
+    assert torch.equal(aggregate([a, b, c], "mean")[0], torch.tensor([4 / 3, 0.0, 2.0, -2 / 3]))
+    dense = [[torch.randn(5, generator=torch.Generator().manual_seed(s))] for s in range(3)]
+    torch.testing.assert_close(aggregate(dense, "sender_mean")[0], aggregate(dense, "mean")[0])
+    assert torch.equal(a[0], torch.tensor([1.0, 0.0, 0.0, -2.0]))  # inputs untouched
+
+
 def test_the_rules_work_per_coordinate_and_keep_shapes():
     a = [torch.tensor([[1.0, -9.0], [0.0, 2.0]]), torch.tensor([5.0])]
     b = [torch.tensor([[2.0, 1.0], [0.0, 4.0]]), torch.tensor([6.0])]
@@ -54,7 +66,7 @@ def test_one_bad_member_of_five_cannot_move_a_robust_rule_far(rule):
 def test_every_rule_is_deterministic_bit_for_bit():
     torch.manual_seed(1)
     members = [[torch.randn(3, 5), torch.randn(5)] for _ in range(6)]
-    for rule in ("mean", "trimmed_mean", "median", "centered_clip"):
+    for rule in ("mean", "sender_mean", "trimmed_mean", "median", "centered_clip"):
         first, second = aggregate(members, rule), aggregate(members, rule)
         assert all(torch.equal(x, y) for x, y in zip(first, second, strict=True))
 

@@ -24,7 +24,8 @@ from muloco.config import CompressionConfig
         ({"scheme": "topk", "topk_fraction": 0.0}, "topk_fraction"),
         ({"scheme": "topk", "topk_fraction": 1.5}, "topk_fraction"),
         ({"scheme": "topk", "topk_fraction": 1e-7}, "topk_fraction"),
-        ({"scheme": "topk", "topk_value_bits": 4}, "topk_value_bits"),
+        ({"scheme": "topk", "topk_value_bits": 3}, "topk_value_bits"),
+        ({"scheme": "topk", "topk_chunk": 4000}, "topk_chunk"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, name):

@@ -20,6 +20,9 @@ COMPRESSORS = [
     get_compressor("topk", topk_fraction=0.2),
     get_compressor("topk", topk_fraction=0.3, topk_value_bits=16),
     get_compressor("topk", topk_fraction=0.3, topk_value_bits=8),
+    get_compressor("topk", topk_fraction=0.3, topk_value_bits=4),
+    get_compressor("topk", topk_fraction=0.2, topk_value_bits=2, topk_chunk=9),  # tiles of 3 x 1
+    get_compressor("topk", topk_fraction=0.5, topk_value_bits=32, topk_chunk=4),  # tiles of 1 x 1: keeps all
 ]
 IDS = [repr(c) for c in COMPRESSORS]
 

@@ -12,7 +12,7 @@ from muloco.config.bits import QUANT_BITS, TOPK_VALUE_BITS, one_of
 
 def test_one_of():
     assert one_of(QUANT_BITS) == "1, 2, 4 or 8"
-    assert one_of(TOPK_VALUE_BITS) == "8, 16 or 32"
+    assert one_of(TOPK_VALUE_BITS) == "2, 4, 8, 16 or 32"
     assert one_of((3,)) == "3"
 
 
@@ -24,8 +24,8 @@ def test_config_and_compressors_accept_the_same_widths():
         assert CompressionConfig(topk_value_bits=bits).topk_value_bits == bits
     with pytest.raises(ValueError, match="bits must be 1, 2, 4 or 8, got 3"):
         CompressionConfig(bits=3)
-    with pytest.raises(ValueError, match="topk_value_bits must be 8, 16 or 32, got 4"):
-        CompressionConfig(topk_value_bits=4)
+    with pytest.raises(ValueError, match="topk_value_bits must be 2, 4, 8, 16 or 32, got 3"):
+        CompressionConfig(topk_value_bits=3)
 
 
 def test_loading_the_config_schema_does_not_import_torch():
