@@ -36,7 +36,24 @@ ROWS = (
     "hivemind_4bit",
 )
 COMPUTE_BOUND = ("ddp", "ddp_powersgd", "ddp_bf16", "muloco_4bit", "streaming_4bit")
-HEADLINE_ROWS = (*((50.0, k) for k in ROWS), *((5.0, k) for k in ROWS), *((0.5, k) for k in COMPUTE_BOUND))
+ALL_HEADLINE_ROWS = (
+    *((50.0, k) for k in ROWS),
+    *((5.0, k) for k in ROWS),
+    *((0.5, k) for k in COMPUTE_BOUND),
+)
+# The guide quotes the rows issue 59's rerun (below) did not run, beside the DDP and MuLoCo 4-bit rows of
+# their parts, which they are compared with.
+BACKEND_ROWS = (
+    "ddp",
+    "diloco_fp32",
+    "muloco_fp32",
+    "muloco_4bit",
+    "muloco_2bit_rs",
+    "torchft_4bit",
+    "torchft_4bit_kill",
+    "hivemind_4bit",
+)
+HEADLINE_ROWS = (*((50.0, k) for k in BACKEND_ROWS), *((5.0, k) for k in BACKEND_ROWS))
 PER_STEP = ("ddp", "ddp_powersgd", "ddp_bf16")  # a 40-step window over the link, extrapolated
 LABELS = {
     "ddp": "DDP fp32",
@@ -89,23 +106,6 @@ def wan_spread(source: str, key: str, ratio: float, field: str, fmt: str, scale:
         values = _values(data, key, ratio, field, scale)
         lo, mid, hi = min(values), statistics.median(values), max(values)
         return f"{fmt.format(mid)} ({fmt.format(lo)}-{fmt.format(hi)})"
-
-    return Figure(source, render)
-
-
-def wan_versus(source: str, key: str, other: str, ratio: float, fmt: str) -> Figure:
-    """The median over repeats of `key`'s time to DDP's loss over `other`'s in the same repeat."""
-
-    def render(data: dict) -> str:
-        theirs = {r.get("repeat", 0): r["s_to_target"] for r in wan_runs(data, other, ratio)}
-        ratios = [
-            r["s_to_target"] / theirs[r.get("repeat", 0)]
-            for r in wan_runs(data, key, ratio)
-            if r["s_to_target"] and theirs.get(r.get("repeat", 0))
-        ]
-        if not ratios:
-            raise FigureError(f"no repeat where {key} and {other} both reached DDP's loss at ratio {ratio:g}")
-        return fmt.format(statistics.median(ratios))
 
     return Figure(source, render)
 
@@ -209,26 +209,15 @@ def delay_line(field: str, fmt: str, unit: str = "") -> Figure:
 
 
 FIGURES: dict[str, Figure] = {
-    # README.md's headline figures (keep these names)
-    "wan.r50.muloco_4bit.vs_ddp": wan_median(HEADLINE, "muloco_4bit", 50, "vs_ddp", "{:.3f}x"),
-    "wan.r50.muloco_4bit.vs_powersgd": wan_versus(HEADLINE, "muloco_4bit", "ddp_powersgd", 50, "{:.3f}x"),
-    "wan.r50.muloco_4bit.vs_bf16": wan_versus(HEADLINE, "muloco_4bit", "ddp_bf16", 50, "{:.3f}x"),
-    "wan.r5.muloco_4bit.vs_ddp": wan_median(HEADLINE, "muloco_4bit", 5, "vs_ddp", "{:.2f}x"),
-    "wan.r50.rate": wan_link(HEADLINE, 50, "rate_mbit", "{:.1f} Mbit/s"),
-    "wan.r50.delay": wan_link(HEADLINE, 50, "delay_ms", "{:g} ms"),
     "wan.repeats": wan_repeats(HEADLINE),
     # the guide's
-    "wan.compute_ms": Figure(HEADLINE, lambda d: f"{1000 * d['compute_s_per_ddp_step']:.1f} ms"),
-    "wan.r50.ddp.ratio_measured": wan_median(HEADLINE, "ddp", 50, "ratio_measured", "{:.1f}"),
-    "wan.r5.ddp.ratio_measured": wan_median(HEADLINE, "ddp", 5, "ratio_measured", "{:.1f}"),
-    "wan.r50.ddp.step_s": wan_median(HEADLINE, "ddp", 50, "step_s", "{:.2f} s"),
     "wan.r50.torchft_4bit_kill.vs_undisturbed": wan_spread(
         HEADLINE, "torchft_4bit_kill", 50, "vs_undisturbed", "{:.2f}x"
     ),
     "wan.r5.torchft_4bit_kill.vs_undisturbed": wan_spread(
         HEADLINE, "torchft_4bit_kill", 5, "vs_undisturbed", "{:.2f}x"
     ),
-    "wan.planner_within": wan_planner_within(HEADLINE, HEADLINE_ROWS),
+    "wan.planner_within": wan_planner_within(HEADLINE, ALL_HEADLINE_ROWS),
     "wan.r50.muloco_4bit.tokens_vs_ddp": wan_steps_vs(HEADLINE, "muloco_4bit", "ddp", 50),
     "wan.r50.diloco_fp32.tokens_vs_ddp": wan_steps_vs(HEADLINE, "diloco_fp32", "ddp", 50),
     **headline_figures(HEADLINE, HEADLINE_ROWS),
@@ -245,8 +234,8 @@ FIGURES: dict[str, Figure] = {
 
 
 # -- the headline again (issue 59): overlap, and the strongest baseline, per ratio -------------------------
-# Ratio 50 ran the whole-window rows at pico's outer lr and momentum; ratios 5 and 0.5 at their own tuned
-# ones (wan_rows.py), over curves of their own.
+# Every ratio runs the whole-window rows at their tuned outer lr and momentum (wan_rows.py), over the same
+# loss curves (--reuse-curves).
 OVERLAP_SOURCES = {
     50: "experiments/wan/results/wan_headline_59_r50.json",
     5: "experiments/wan/results/wan_headline_59_r5.json",
@@ -297,7 +286,10 @@ def ddp_check(source: str, ratio: float, field: str, fmt: str) -> Figure:
 
 
 def overlap_figures() -> dict[str, Figure]:
-    figures = {"wan59.repeats": wan_repeats(OVERLAP)}
+    figures = {
+        "wan59.repeats": wan_repeats(OVERLAP),
+        "wan59.compute_ms": Figure(OVERLAP, lambda d: f"{1000 * d['compute_s_per_ddp_step']:.1f} ms"),
+    }
     for ratio, source in OVERLAP_SOURCES.items():
         r = f"wan59.r{ratio:g}"
         figures |= {
@@ -322,32 +314,33 @@ def overlap_figures() -> dict[str, Figure]:
 FIGURES.update(overlap_figures())
 
 
-def overlap_table(ratio: float = 50) -> str:
-    """docs/wan.md's table of the issue-59 rerun at `ratio`, marked (docs_figures.py --write fills it)."""
+def overlap_table() -> str:
+    """docs/wan.md's table of the issue-59 rerun, every ratio, marked (docs_figures.py --write fills it)."""
     labels = {
         **LABELS,
         "muloco_4bit_window": "MuLoCo 4-bit, whole window overlapped",
         "muloco_4bit_eager": "MuLoCo 4-bit, whole window, eager",
     }
     lines = [
-        "| method | to DDP's loss, s | vs DDP | vs best DDP | network wait | wall / own compute "
+        "| ratio | method | to DDP's loss, s | vs DDP | vs best DDP | network wait | wall / own compute "
         "| inner steps | val loss, DDP's tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for key in OVERLAP_ROWS:
-        names = [cell for cell, *_ in OVERLAP_CELLS] + ["val_equal_tokens"]
-        cells = [f"<!-- fig wan59.r{ratio:g}.{key}.{cell} -->?<!-- /fig -->" for cell in names]
-        window = " (window)" if key in PER_STEP else ""
-        lines.append(f"| {labels[key]} | {cells[0]}{window} | " + " | ".join(cells[1:]) + " |")
+    for ratio in OVERLAP_SOURCES:
+        for key in OVERLAP_ROWS:
+            names = [cell for cell, *_ in OVERLAP_CELLS] + ["val_equal_tokens"]
+            cells = [f"<!-- fig wan59.r{ratio:g}.{key}.{cell} -->?<!-- /fig -->" for cell in names]
+            window = " (window)" if key in PER_STEP else ""
+            lines.append(
+                f"| {ratio:g} | {labels[key]} | {cells[0]}{window} | " + " | ".join(cells[1:]) + " |"
+            )
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     print(headline_table())
     print()
-    for ratio in OVERLAP_SOURCES:
-        print()
-        print(overlap_table(ratio))
+    print(overlap_table())
 
 
 # -- the rows' lrs, tuned under the headline's schedule (configs/sweeps/wan_tune*.yaml, one seed) ------------

@@ -41,3 +41,25 @@ def test_pack_uint_roundtrip(width, data):
     packed = pack_uint(t, width)
     assert packed.numel() == packed_nbytes(len(values), width)
     assert unpack_uint(packed, width, len(values)).tolist() == values
+
+
+def bit_by_bit(values: list[int], width: int) -> list[int]:
+    """The documented layout, written out: value i's bit j is bit i * width + j of the stream, LSB first."""
+    out = [0] * -(-len(values) * width // 8)
+    for i, v in enumerate(values):
+        for j in range(width):
+            if v >> j & 1:
+                pos = i * width + j
+                out[pos // 8] |= 1 << (pos % 8)
+    return out
+
+
+@pytest.mark.parametrize("width", [3, 6, 10, 12, 14, 16, 20, 24, 9, 13, 40])  # grouped and bit-matrix paths
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 7, 8, 9, 33])
+def test_pack_uint_bytes_are_the_documented_layout(width, n):
+    g = torch.Generator().manual_seed(width * 100 + n)
+    values = torch.randint(0, 2**width, (n,), dtype=torch.int64, generator=g)
+    values[: min(n, 2)] = 2**width - 1  # the widest value reaches the group's top bits
+    packed = pack_uint(values, width)
+    assert packed.tolist() == bit_by_bit(values.tolist(), width)
+    assert torch.equal(unpack_uint(packed, width, n), values)
