@@ -48,7 +48,10 @@ FRAGMENTS = {
     "streaming": ["sync.fragments=2", "sync.overlap=1"],
     "window": ["sync.overlap=3"],
     "eager": ["sync.overlap=3", "sync.eager=true"],
+    # workers of different speeds (run/pacing.py): speeds 1, 0.5 (, 0.25) emulated, each round paced by them
+    "paced": ["sync.pacing=by_speed"],
 }
+SPEEDS = {2: "train.speed=[1.0, 0.5]", 3: "train.speed=[1.0, 0.5, 0.25]"}
 STEPS = 7  # syncs at 3 and 6 (streaming: a fragment's every 1.5 steps), and all at the last step
 
 
@@ -63,6 +66,7 @@ def overrides(K: int, compression: str, fragments: str, tmp_path: Path) -> list[
         "train.eval_tokens=256",
         *COMPRESSIONS[compression],
         *FRAGMENTS[fragments],
+        *([SPEEDS[K]] if fragments == "paced" else []),
         f"run.output_dir={tmp_path}",
     ]
 
@@ -73,7 +77,7 @@ def expected_transport(backend: str, K: int, compression: str, fragments: str) -
     if compression == "topk2-ef":
         return "all_gather"
     carries_scatter = backend in ("local", "torch")  # a fixed set of workers (Reducer.transports)
-    overlapped = fragments != "whole"  # tau > 0: auto takes all_gather, all of it under the compute
+    overlapped = fragments not in ("whole", "paced")  # tau > 0: auto takes all_gather under the compute
     return "reduce_scatter" if carries_scatter and K >= 3 and not overlapped else "all_gather"
 
 
@@ -210,6 +214,7 @@ def test_workers_of_two_ranks_at_the_defaults(tmp_path, backend, nproc, K):
         (["backend.kind=hivemind", "sync.overlap=3"], "sync.overlap=3"),
         (["backend.kind=hivemind", "sync.overlap=2", "sync.eager=true"], "sync.eager"),
         (["sync.eager=true"], "sync.eager"),
+        (["sync.pacing=by_speed", "sync.overlap=1"], "sync.pacing=by_speed"),
         (
             ["sharding=fsdp", "ranks_per_worker=2", "backend.kind=torch", "train.micro_batch_tokens=32"]
             + ["sync.transport=reduce_scatter"],

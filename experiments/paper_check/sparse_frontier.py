@@ -1,10 +1,9 @@
 """Loss against bytes for every codec (issue 61): final val loss and bytes per worker of DiLoCo and MuLoCo
 with fp32, statistical 4-bit, 2-bit + error feedback and chunked top-k pseudogradients, and of SparseLoCo as
-published and with Muon inside, from the sweeps sparse_frontier, sparse_tune, sparse_tune_mean and
-sparseloco_tune (docs/results.md, "Sparse pseudogradients"; the plot in docs/img).
+published and with Muon inside, from the sweeps sparse_frontier, sparse_tune and sparseloco_tune
+(docs/results.md, "Sparse pseudogradients"; the plot in docs/img).
 
     muloco sweep configs/sweeps/sparse_tune.yaml --jobs 2       # the sparse rows' outer lr (K = 4, seed 0)
-    muloco sweep configs/sweeps/sparse_tune_mean.yaml --jobs 2  # the same with the plain mean over K
     muloco sweep configs/sweeps/sparseloco_tune.yaml --jobs 2   # SparseLoCo's outer lr and beta
     muloco sweep configs/sweeps/sparse_frontier.yaml --jobs 2   # every row at its tuned lr, K = 4, 8, 2 seeds
     python experiments/paper_check/sparse_frontier.py \
@@ -25,7 +24,7 @@ from typing import Any
 
 from muloco.tools.runs import RunRecord, load_runs
 
-SWEEPS = ("sparse_frontier", "sparse_tune", "sparse_tune_mean", "sparseloco_tune")
+SWEEPS = ("sparse_frontier", "sparse_tune", "sparseloco_tune")
 # Keys that name a run or say where it ran, not what it trained: runs that differ only in these are one row.
 NOT_SETTINGS = ("run.seed", "run.name", "run.output_dir", "logging.", "checkpoint.", "train.threads")
 METHODS = ("DiLoCo", "MuLoCo", "SparseLoCo", "SparseLoCo + Muon")

@@ -130,6 +130,7 @@ class Config(Section):
                 )
         if self.sharding == "fsdp":
             self._check_fsdp()
+        self._check_speed()
         if self.simulation.batched is True and (self.simulation.offload or self.ranks_per_worker > 1):
             raise ValueError(
                 "simulation.batched=true keeps every replica of a process on the device and steps them "
@@ -203,6 +204,22 @@ class Config(Section):
         if self.data.source == "text" and self.data.path is None:
             raise ValueError("data.source: text needs data.path (files, a directory or a glob)")
         return self
+
+    def _check_speed(self) -> None:
+        speed = self.train.speed
+        if isinstance(speed, list) and len(speed) != self.workers:
+            raise ValueError(
+                f"train.speed lists {len(speed)} speeds for {self.workers} workers: give one per worker "
+                "(index r: worker r) or a single value"
+            )
+        if self.method == "dp" and self.worker_speeds != [1.0] * self.workers:
+            raise ValueError("train.speed emulates slower DiLoCo workers; with method: dp leave it at 1.0")
+
+    @property
+    def worker_speeds(self) -> list[float]:
+        """train.speed, one per worker."""
+        speed = self.train.speed
+        return [float(v) for v in speed] if isinstance(speed, list) else [float(speed)] * self.workers
 
     def _check_comm_hook(self) -> None:
         """torch's DDP hooks compress dp's gradients (the world they need is checked at start: run/build.py;
@@ -324,6 +341,12 @@ class Config(Section):
             del data["sync"]["eager"]  # added after checkpoints existed
         if data["compression"].get("topk_chunk") is None:
             data["compression"].pop("topk_chunk", None)  # added after checkpoints existed
+        # Added after checkpoints existed: count only when set.
+        if data["train"].get("speed") == 1.0:
+            del data["train"]["speed"]
+        for key, default in (("pacing", "fixed"), ("weight_by_tokens", False)):
+            if data["sync"].get(key) == default:
+                del data["sync"][key]
         if not with_layout:  # a sharded checkpoint resumes with any ranks_per_worker (checkpoint/sharded.py)
             data.pop("ranks_per_worker", None)
             data.pop("sharding", None)

@@ -193,6 +193,22 @@ class TrainConfig(Section):
         "replica out for a non-finite loss or pseudogradient (dp: skipped non-finite steps).",
     )
     threads: int | None = Field(None, gt=0, description="torch CPU threads; default: torch's choice.")
+    speed: float | list[float] = Field(
+        1.0,
+        description="Emulated relative speed of the workers (docs/heterogeneous.md), one value or a list "
+        "of K (worker r's at index r), each in (0, 1]: a worker at v takes 1/v of its measured step time (a "
+        "process with one worker sleeps the difference after each inner step; a simulation hosting several "
+        "advances a virtual clock instead, summary.json's virtual_time_s). Emulation, for studying "
+        "unequal hosts on equal hardware; method: diloco.",
+    )
+
+    @field_validator("speed")
+    @classmethod
+    def _check_speed(cls, value: float | list[float]) -> float | list[float]:
+        speeds = value if isinstance(value, list) else [value]
+        if not speeds or any(not 0 < v <= 1 for v in speeds):
+            raise ValueError(f"train.speed ({value}) must be in (0, 1] (a list: every entry); 1 = full speed")
+        return value
 
 
 class SyncConfig(Section):
@@ -254,6 +270,17 @@ class SyncConfig(Section):
         "ones tolerate bad members (docs/security.md); all but mean need every contribution whole: an "
         "fp32 sync then all-gathers instead of all-reducing, and reduce_scatter is refused.",
     )
+    pacing: Literal["fixed", "by_speed"] = Field(
+        "fixed",
+        description="Inner steps per round. fixed: H for every worker (the round waits for the slowest); "
+        "by_speed: worker w takes H_w = max(1, floor(v_w / v_max x H)) so that all finish a round together "
+        "(DyLU, Liu et al. 2024, arXiv 2401.09135), v_w its speed (train.speed). One fragment, no overlap.",
+    )
+    weight_by_tokens: bool = Field(
+        False,
+        description="sync.pacing: by_speed: weight each worker's pseudogradient in the mean by the tokens it "
+        "trained this round (K x H_w / sum H) instead of equally; needs sync.aggregate: mean.",
+    )
     trim: int = Field(
         1,
         ge=1,
@@ -287,6 +314,16 @@ class SyncConfig(Section):
             raise ValueError(
                 "sync.eager steps each worker at once with the stale mean of a sync in flight, in place of "
                 "the merge: set sync.overlap > 0 and sync.alpha=0 (or sync.eager=false)"
+            )
+        if self.pacing == "by_speed" and self.streaming:
+            raise ValueError(
+                "sync.pacing=by_speed sizes each worker's whole round: use one fragment without overlap "
+                "(sync.fragments=1, sync.overlap=0, sync.alpha=0) or sync.pacing=fixed"
+            )
+        if self.weight_by_tokens and (self.pacing != "by_speed" or self.aggregate != "mean"):
+            raise ValueError(
+                "sync.weight_by_tokens weights the plain mean by each worker's steps under pacing by speed: "
+                "set sync.pacing=by_speed and sync.aggregate=mean (or sync.weight_by_tokens=false)"
             )
         for field in ("embedding_fragment", "head_fragment"):
             value = getattr(self, field)

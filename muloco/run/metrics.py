@@ -51,15 +51,14 @@ def read_jsonl(path: Path) -> list[dict]:
 def timed_record(
     kind: str,
     step: int,
-    batch_tokens: int,
+    tokens: int,
     total_steps: int,
     elapsed: float,
     bytes_sent: float,
     **values: Any,
 ) -> dict[str, Any]:
-    """One metrics.jsonl record at inner step `step` (docs/design.md's contract: kind, step, tokens, time_s;
-    train and sync records also bytes_sent, tokens_per_s, eta_s)."""
-    tokens = step * batch_tokens
+    """One metrics.jsonl record at inner step `step` after the workers trained `tokens` (docs/design.md's
+    contract: kind, step, tokens, time_s; train and sync records also bytes_sent, tokens_per_s, eta_s)."""
     record = {"kind": kind, "step": step, "tokens": tokens, "time_s": round(elapsed, 3), **values}
     if kind != "eval":
         record["bytes_sent"] = bytes_sent

@@ -8,6 +8,7 @@ a later round; a checkpoint, an eval record and the end of the run write them al
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,8 +40,20 @@ class PendingRecords:
             if not block and not means.ready():
                 break
             t0 = time.perf_counter()
-            values = dict(zip(names, means(), strict=True))
+            values = _lists(dict(zip(names, means(), strict=True)))
             waited += time.perf_counter() - t0
             write(timed_record(kind, step, *timing, **values, **fields))
             self._records.popleft()
         return waited
+
+
+def _lists(values: dict[str, float]) -> dict[str, Any]:
+    """Means named "name.i" as one list `name` in index order, a mean over nothing (0 / 0) there as None."""
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        base, _, index = name.partition(".")
+        if index:
+            out.setdefault(base, []).append(None if math.isnan(value) else round(value, 6))
+        else:
+            out[name] = value
+    return out

@@ -52,6 +52,9 @@ class Replica:
         self.device = device
         self.compute_time_s = 0.0  # measured inner-step time, summed over the run
         self.inner_steps = 0  # inner steps taken (a round interrupted by a signal leaves replicas apart)
+        # This round's inner steps and their (emulated: train.speed) seconds (run/pacing.py); under pacing
+        # by speed a worker that took its share of the round counts as done (inner_steps at the round's end).
+        self.round_steps, self.round_s = 0, 0.0
         self.healthy = True  # False after a non-finite loss, until the next sync resets the replica
         # simulation.offload (offload.py): the replica lives in host memory and moves to `device` while it
         # is active; None when it always lives on `device`.

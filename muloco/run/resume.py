@@ -110,6 +110,8 @@ def load_components(components: dict[str, Any], state: dict[str, Any], path: Pat
     a CheckpointError, not a traceback."""
     try:
         for name, component in components.items():
+            if name not in state and getattr(component, "added_later", False):
+                continue  # a component newer than the checkpoint starts from its defaults
             component.load_state_dict(state[name])
     except (RuntimeError, KeyError) as exc:
         raise CheckpointError(

@@ -70,9 +70,11 @@ def build_summary(
     elapsed_s: float,
     train_time_s: float,
     status: str,
+    tokens: int | None = None,
 ) -> dict[str, Any]:
+    """tokens: what the workers trained (default: every worker every step; pacing by speed: fewer)."""
     steps = components["progress"].steps
-    tokens = steps * cfg.train.batch_tokens
+    tokens = steps * cfg.train.batch_tokens if tokens is None else tokens
     return {
         **config_figures(cfg),
         # sync.transport as resolved (auto -> all_gather | reduce_scatter; fp32 and dp: all_reduce)
@@ -86,6 +88,7 @@ def build_summary(
         "tokens_per_s": round(tokens / elapsed_s, 1) if elapsed_s > 0 else None,
         "train_tokens_per_s": round(tokens / train_time_s, 1) if train_time_s > 0 else None,
         "replica_compute_s": [round(r.compute_time_s, 3) for r in replicas],
+        **(components["clock"].summary() if "clock" in components else {}),
         "state_bytes_rank0": rank_state_bytes(replicas, components.get("engine")),
         "peak_rss_bytes_rank0": peak_rss_bytes(),
         **components["wan"].summary(),

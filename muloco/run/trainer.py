@@ -41,6 +41,7 @@ from muloco.run.inner_steps import InnerSteps
 from muloco.run.lr_schedule import lr_multiplier
 from muloco.run.metrics import MetricsLogger, finish_wandb, log_run_start, run_start_fields, start_wandb
 from muloco.run.offload import ReplicaOffload, offload_applies
+from muloco.run.pacing import SpeedClock, worker_pacing
 from muloco.run.resume import check_same_config
 from muloco.run.run_dir import (
     prepare_run_dir,
@@ -118,11 +119,21 @@ class Trainer:
         self.probe = alignment_probe(cfg, template, self.data.train, self.device) if probing else None
         self.autocast = autocast_factory(cfg.train.precision, self.device)
         self.stop = StopRequest(self.backend)
+        # Workers of different speeds (pacing.py): each one's steps per round, its emulated speed, and a
+        # simulation's virtual clock (one process hosting several workers).
+        self.pacing = worker_pacing(cfg, self.backend.world_size, len(self.local_indices))
+        self.clock = SpeedClock(simulated=self.backend.world_size == 1 and len(self.local_indices) > 1)
+        if self.engine is not None and cfg.sync.weight_by_tokens:
+            self.engine.contribution_weight = self.pacing.weight
         shape = (self.micro_batches, self.seqs_per_micro, cfg.train.grad_clip)
         inner_args = (self.progress, self.stop, self._lr_multiplier, shape, self.autocast, self.offload)
-        self.inner = InnerSteps(self.replicas, *inner_args, batched=self.batched)
+        clock = self.clock if self.clock.simulated else None
+        self.inner = InnerSteps(
+            self.replicas, *inner_args, batched=self.batched, pacing=self.pacing, clock=clock
+        )
         self.components = {
             **counters,
+            "clock": self.clock,
             "replicas": StateList(self.replicas),
             "rng": RngState(self.device),
             **({"engine": self.engine} if self.engine is not None else {"dp": self.dp}),
@@ -155,7 +166,7 @@ class Trainer:
         resume_step = progress.steps if self.resumed_from else None
         where = (self.run_dir / "metrics.jsonl", self.total_steps, cfg.logging.progress, wandb_run)
         metrics = MetricsLogger(*where, resume_step, self.is_main)
-        timing = (cfg.train.batch_tokens, self.total_steps, progress.elapsed_s)
+        timing = (self.tokens_at, self.total_steps, progress.elapsed_s)
         self.log = RunLog(metrics, self.backend, self.ledger, *timing)
         status = "failed"
         self.stop.install()
@@ -228,9 +239,20 @@ class Trainer:
         # a later round rather than stop this one.
         self.log.flush(block=False)
 
-        # 2. The sync event: the syncs due applied, the fragments scheduled started (engine.round).
+        # 2. The sync event: the syncs due applied, the fragments scheduled started (engine.round). The
+        #    first record of the round carries each worker's step time in it.
+        step_times = self._step_times()
         for record in self.engine.round(end, self.replicas, round_loss=self._round_loss):
-            self.log.sync(record)
+            self.log.sync(record, step_times)
+            step_times = ()
+
+    def _step_times(self) -> tuple[tuple[float, int], ...]:
+        """(seconds, inner steps) of each of the K workers this round: this process's replicas', zeros for
+        the others' (the log's means over the processes fill them in)."""
+        times = [(0.0, 0)] * self.cfg.workers
+        for replica in self.replicas:
+            times[replica.index] = (replica.round_s, replica.round_steps)
+        return tuple(times)
 
     def _round_loss(self) -> SumCount:
         """The train losses since the last sync started, taken for the next one. With R ranks per worker
@@ -247,6 +269,11 @@ class Trainer:
             self.log.train(progress.steps, loss_sum_count)
 
     # -- helpers of the loop --------------------------------------------------------------------------
+    def tokens_at(self, step: int) -> int:
+        """Tokens all workers trained up to inner step `step` (pacing by speed: each its share)."""
+        steps = self.pacing.worker_steps_until(step, self.total_steps)
+        return steps * self.cfg.worker_batch_tokens
+
     def _lr_multiplier(self, step: int) -> float:
         t = self.cfg.train
         args = (t.warmup_steps, t.lr_schedule, t.min_lr_ratio, t.decay_fraction)
@@ -286,6 +313,7 @@ class Trainer:
     def write_summary(self, status: str) -> dict[str, Any]:
         """summary.json (summary.py): the config's key figures and every component's summary."""
         figures = {"num_params": self.num_params, "device": str(self.device), "status": status}
+        figures["tokens"] = self.tokens_at(self.progress.steps)
         clock = {"elapsed_s": self.log.elapsed(), "train_time_s": self.progress.train_s}
         summary = build_summary(self.cfg, self.components, self.replicas, **figures, **clock)
         if self.is_main:

@@ -79,6 +79,8 @@ def gather(part, replicas: list, step: int, engine) -> Gathered:
         replica.activate()
         base = engine.base_of(position)  # the global parameters (eager updates: the worker's own)
         delta = replica.pseudogradient(base, part.indices)
+        if engine.contribution_weight is not None:  # its share of the round's tokens, x K
+            torch._foreach_mul_(delta, engine.contribution_weight(replica.index, step))
         norm = global_norm(delta)
         if engine.shard_group is not None:  # every rank of the worker judges the replica alike
             sq, unhealthy = engine.worker_sum(norm**2, float(not replica.healthy))

@@ -40,6 +40,7 @@ from muloco.errors import UserError
 from muloco.net import preloaded
 from muloco.net.launch import end_processes
 from muloco.net.parent_death import sigterm_when_parent_dies
+from muloco.testbed.cpu_quota import CpuQuotas, missing_cpu_controller, remove_stale_groups
 from muloco.testbed.delay_line import READY
 
 PREFIX = "mlc-"  # every namespace a testbed makes: mlc-<pid>-<serial>-<host|hub>
@@ -129,7 +130,10 @@ class Testbed:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, hosts: int, rate_mbit: float, delay_ms: float = 0.0) -> None:
+    def __init__(
+        self, hosts: int, rate_mbit: float, delay_ms: float = 0.0, cpus: Sequence[float] | None = None
+    ) -> None:
+        """cpus: each host's CPU quota in cores (cpu_quota.py), None: no quota."""
         if hosts < 1 or hosts > 250:
             raise UserError(f"testbed hosts must be 1..250, got {hosts}")
         if rate_mbit <= 0:
@@ -141,16 +145,20 @@ class Testbed:
         self.hub = f"{self.name}-hub"
         addresses = list(SUBNET.hosts())
         self.hosts = [Host(i, f"{self.name}-h{i}", str(addresses[i])) for i in range(hosts)]
+        if cpus is not None and len(cpus) != hosts:
+            raise UserError(f"testbed cpus lists {len(cpus)} quotas for {hosts} hosts: give one per host")
+        self.quotas = CpuQuotas(self.name, list(cpus)) if cpus is not None else None
         self.processes: list[subprocess.Popen] = []
         self._made: list[str] = []
         self._previous_sigterm = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def __enter__(self) -> Testbed:
-        reason = missing_requirements()
+        reason = missing_requirements() or (missing_cpu_controller() if self.quotas else None)
         if reason:
             raise UserError(f"cannot make a network testbed: {reason}")
         remove_stale_namespaces()
+        remove_stale_groups(PREFIX, _alive)
         self._raise_on_sigterm()
         try:
             self._build()
@@ -173,6 +181,8 @@ class Testbed:
         self._previous_sigterm = signal.signal(signal.SIGTERM, handler)
 
     def _build(self) -> None:
+        if self.quotas is not None:
+            self.quotas.create()
         tbf = tbf_args(self.rate_mbit)
         _run("ip", "netns", "add", self.hub)
         self._made.append(self.hub)
@@ -240,6 +250,8 @@ class Testbed:
         for name in reversed(self._made):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=CMD_TIMEOUT_S)
         self._made.clear()
+        if self.quotas is not None:
+            self.quotas.remove()
         if self._previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None
@@ -259,7 +271,13 @@ class Testbed:
             self.command(host, cmd), start_new_session=True, preexec_fn=sigterm_when_parent_dies, **kwargs
         )
         self.processes.append(proc)
+        self._confine(host, proc.pid)
         return proc
+
+    def _confine(self, host: int, pid: int) -> None:
+        """Under the host's CPU quota, if the testbed has quotas (before the process starts children)."""
+        if self.quotas is not None:
+            self.quotas.confine(host, pid)
 
     def start_muloco(
         self, host: int, args: Sequence[str], env: dict[str, str], log: IO
@@ -277,6 +295,7 @@ class Testbed:
             netns=self.hosts[host].netns,
         )
         self.processes.append(proc)
+        self._confine(host, proc.pid)
         return proc
 
     def run(self, host: int, cmd: Sequence[str], timeout: float = CMD_TIMEOUT_S) -> str:

@@ -80,6 +80,18 @@ STREAMING_CASES = {
 }
 
 
+# Workers of different speeds (run/pacing.py), over 4 processes: at H = 3 and speeds 1, 0.5, 1, 0.25 each
+# round takes 3, 1, 3 and 1 inner steps (a process with one worker sleeps its emulated speed's difference).
+SPEED4 = ["train.speed=[1.0, 0.5, 1.0, 0.25]", "sync.pacing=by_speed"]
+PACING_CASES = {
+    "by-speed-muon-statistical4-ef": (
+        ["inner.ns_dtype=fp32", *STAT4_EF, "sync.transport=all_gather", *SPEED4],
+        0.0,
+    ),
+    "by-speed-weighted-adamw-fp32": (["inner.optimizer=adamw", *SPEED4, "sync.weight_by_tokens=true"], 1e-6),
+}
+
+
 def streaming_common(output_dir: Path, extra: list[str]) -> list[str]:
     K2 = ["workers=2", "train.batch_tokens=512", "train.total_tokens=7168"]
     streaming = ["sync.every=4", "sync.fragments=2", "sync.overlap=1", "sync.alpha=0.5"]
@@ -101,6 +113,8 @@ def process_runs(tmp_path_factory) -> Path:
         overrides = {name: simulation_common(directory, x) for name, (x, _) in SIMULATION_CASES.items()}
         if nproc == 2:
             overrides |= {name: streaming_common(directory, x) for name, (x, _) in STREAMING_CASES.items()}
+        else:
+            overrides |= {name: simulation_common(directory, x) for name, (x, _) in PACING_CASES.items()}
         cases = [{"name": f"{n}-p{nproc}", "overrides": o, "port": free_port()} for n, o in overrides.items()]
         (directory / f"ranks{nproc}").mkdir()
         run_combo_ranks("torch", nproc, cases, directory / f"ranks{nproc}", QS, timeout=300)
@@ -135,6 +149,27 @@ def test_simulation_equals_4x1_and_2x2_processes(tmp_path, process_runs, case):
         )
     # Each rank kept its own replicas' state.
     assert list_checkpoints(process_runs / f"{case}-p2" / "checkpoints" / "rank1")
+
+
+@pytest.mark.parametrize("case", list(PACING_CASES))
+def test_pacing_by_speed_over_processes_equals_the_simulation(tmp_path, process_runs, case):
+    """Pacing by speed with emulated speeds: 4 processes (each sleeping its speed's difference) end where
+    the simulation (a virtual clock) does, and rank 0 logs every worker's step time."""
+    extra, rtol = PACING_CASES[case]
+    sim = Trainer(load_config(QS, [*simulation_common(tmp_path, extra), "run.name=sim"]))
+    sim.run()
+    run_dir = process_runs / f"{case}-p4"
+    for a, b in zip(sim.engine.outer.params, final_global_params(run_dir), strict=True):
+        if rtol == 0:
+            assert torch.equal(a, b), (a - b).abs().max()
+        else:
+            assert (a - b).norm() <= rtol * b.norm(), ((a - b).norm() / b.norm()).item()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["tokens_seen"] == json.loads((sim.run_dir / "summary.json").read_text())["tokens_seen"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step_times = [r["step_s"] for r in records if r["kind"] == "sync"]
+    assert step_times and all(len(s) == 4 and all(v > 0 for v in s) for s in step_times)
+    assert "virtual_time_s" not in summary  # processes keep real time
 
 
 @pytest.mark.parametrize("case", list(STREAMING_CASES))

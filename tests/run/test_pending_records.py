@@ -7,7 +7,7 @@ import torch
 from muloco.comm import ProcessMeans
 from muloco.run.pending_records import PendingRecords
 
-TIMING = (2048, 100, 1.5, 0.0)  # timed_record's batch_tokens, total_steps, elapsed, bytes_sent
+TIMING = (30720, 100, 1.5, 0.0)  # timed_record's tokens, total_steps, elapsed, bytes_sent
 
 
 class Arriving:

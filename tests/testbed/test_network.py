@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from muloco.errors import UserError
+from muloco.testbed.cpu_quota import missing_cpu_controller
 from muloco.testbed.network import PREFIX, Testbed, missing_requirements, remove_stale_namespaces, tbf_args
 from muloco.testbed.probe import goodput_mbit, median_round_trip_ms
 
@@ -253,3 +254,31 @@ def test_namespaces_of_a_killed_testbed_are_removed_by_the_next():
         holder.wait()
         for name in made & namespaces():
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+
+
+BUSY = (
+    "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end: pass\n"
+    "print(time.process_time())"
+)
+
+
+@needs_netns
+@pytest.mark.skipif(missing_cpu_controller() is not None, reason=f"{missing_cpu_controller()}")
+def test_a_hosts_cpu_quota_caps_its_processes_and_goes_with_the_testbed():
+    """Host 0 at a quarter of a core: a busy loop there gets at most that share of its wall time (the cap
+    holds on a busy machine too; the uncapped share depends on the load, so it is not asserted)."""
+    wall = 2.0
+    with Testbed(2, rate_mbit=100, cpus=[0.25, 1.0]) as testbed:
+        groups = list(testbed.quotas.groups)
+        assert all(g.exists() for g in groups)
+        assert (groups[0] / "cpu.cfs_quota_us").read_text().strip() == "25000"
+        procs = [
+            testbed.popen(h, [sys.executable, "-c", BUSY.format(s=wall)], stdout=subprocess.PIPE, text=True)
+            for h in (0, 1)
+        ]
+        cpu = [float(p.communicate(timeout=60)[0]) for p in procs]
+        assert cpu[0] <= 0.25 * wall * 1.2 + 0.05, cpu
+        assert testbed.quotas.throttled_s(0) > 0
+    assert not any(g.exists() for g in groups)
+    with pytest.raises(UserError, match="testbed cpus lists 1 quotas for 2 hosts"):
+        Testbed(2, rate_mbit=100, cpus=[1.0])

@@ -1,0 +1,115 @@
+"""Workers of different speeds (docs/heterogeneous.md): which inner steps each worker takes in a round
+(sync.pacing), what its steps cost when its speed is emulated (train.speed), and the virtual clock of a
+simulated run.
+
+Pacing by speed is DyLU (Liu et al. 2024, arXiv 2401.09135, "dynamic local updates"): worker w takes
+H_w = max(1, floor(v_w / v_max x H)) inner steps per round, so that every worker's round takes about as
+long as the fastest one's; its steps are the first H_w of the round, at the round's lr schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from muloco.config import Config
+from muloco.errors import UserError
+from muloco.sync.counters import Component
+
+
+def worker_pacing(cfg: Config, processes: int, local_workers: int) -> Pacing:
+    """The run's pacing. Emulated speeds need each worker's time to be its own: a process hosting one
+    worker (it sleeps) or one process hosting them all (a virtual clock), not several processes of
+    several workers each."""
+    speeds = cfg.worker_speeds
+    if any(v != 1.0 for v in speeds) and processes > 1 and local_workers > 1:
+        raise UserError(
+            f"train.speed emulates each worker's speed with one worker per process or all in one process; "
+            f"this run hosts {local_workers} workers in each of {processes} processes: launch {cfg.workers} "
+            "processes or 1"
+        )
+    return Pacing(speeds, cfg.sync.every, cfg.sync.pacing == "by_speed", cfg.sync.weight_by_tokens)
+
+
+class Pacing:
+    def __init__(
+        self, speeds: list[float], every: int, by_speed: bool, weight_by_tokens: bool = False
+    ) -> None:
+        """speeds: one per worker (train.speed); every: H."""
+        self.speeds, self.every, self.by_speed = speeds, every, by_speed
+        self.weight_by_tokens = weight_by_tokens
+        self.fastest = max(speeds)
+
+    @property
+    def emulated(self) -> bool:
+        return any(v != 1.0 for v in self.speeds)
+
+    def round_start(self, end: int) -> int:
+        """The first step of the round that ends at step `end` (the run's last round may be shorter)."""
+        return (end - 1) // self.every * self.every
+
+    def steps_in_round(self, worker: int, length: int) -> int:
+        """The inner steps worker `worker` takes in a round of `length` steps."""
+        if not self.by_speed:
+            return length
+        return max(1, math.floor(self.speeds[worker] / self.fastest * length))
+
+    def stop_at(self, worker: int, end: int) -> int:
+        """The step at which worker `worker` stops training in the round that ends at `end`."""
+        start = self.round_start(end)
+        return start + self.steps_in_round(worker, end - start)
+
+    def weight(self, worker: int, end: int) -> float:
+        """sync.weight_by_tokens: the worker's share of the round's tokens, x K (the plain mean: 1)."""
+        if not self.weight_by_tokens:
+            return 1.0
+        length = end - self.round_start(end)
+        steps = [self.steps_in_round(w, length) for w in range(len(self.speeds))]
+        return len(steps) * steps[worker] / sum(steps)
+
+    def worker_steps_until(self, step: int, total_steps: int) -> int:
+        """Inner steps all workers together took up to global step `step` (whole rounds, as the log sees
+        them at its sync and eval records)."""
+        if not self.by_speed:
+            return step * len(self.speeds)
+        done, start = 0, 0
+        while start < step:
+            length = min(self.every, total_steps - start, step - start)
+            done += sum(self.steps_in_round(w, length) for w in range(len(self.speeds)))
+            start += self.every
+        return done
+
+    def emulate(self, worker: int, seconds: float) -> float:
+        """An inner step that took `seconds` on this worker's hardware, at its emulated speed: the extra
+        time it sleeps (a process hosting one worker), returned with the step's emulated seconds."""
+        extra = seconds * (1.0 / self.speeds[worker] - 1.0)
+        if extra > 0:
+            time.sleep(extra)
+        return seconds + extra
+
+
+@dataclass
+class SpeedClock(Component):
+    """A simulated run's virtual clock (several workers hosted by one process, one after another or batched):
+    each round advances by its slowest worker's emulated compute, steps x t / v_w with t the round's mean
+    measured step time, so a slower worker costs the run what it would on its own host without a sleep."""
+
+    added_later: ClassVar[bool] = True  # checkpoints written before it resume without it
+    virtual_s: float = 0.0
+    rounds: int = 0
+    simulated: bool = field(default=False, metadata={"state": False})  # whether it runs (and is reported)
+
+    def advance(self, speeds: list[float], steps: list[int], compute_s: float) -> list[float]:
+        """One round of the local workers (speeds, steps they took) that took `compute_s` of measured time
+        in all: their emulated seconds; the clock advances by the longest."""
+        taken = sum(steps)
+        per_step = compute_s / taken if taken else 0.0
+        emulated = [n * per_step / v for n, v in zip(steps, speeds, strict=True)]
+        self.virtual_s += max(emulated, default=0.0)
+        self.rounds += 1
+        return emulated
+
+    def summary(self) -> dict[str, Any]:
+        return {"virtual_time_s": round(self.virtual_s, 3)} if self.simulated else {}
