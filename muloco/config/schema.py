@@ -212,6 +212,13 @@ class Config(Section):
                 f"train.speed lists {len(speed)} speeds for {self.workers} workers: give one per worker "
                 "(index r: worker r) or a single value"
             )
+        measured = self.sync.pacing == "by_speed" and self.sync.pacing_speeds == "measured"
+        if measured and self.backend.kind in ("hivemind", "torchft"):
+            raise ValueError(
+                f"sync.pacing_speeds=measured exchanges step times over all the workers, which "
+                f"backend.kind={self.backend.kind} has no collective for: set sync.pacing_speeds=declared "
+                "and each worker's speed in train.speed"
+            )
         if self.method == "dp" and self.worker_speeds != [1.0] * self.workers:
             raise ValueError("train.speed emulates slower DiLoCo workers; with method: dp leave it at 1.0")
 
@@ -344,7 +351,7 @@ class Config(Section):
         # Added after checkpoints existed: count only when set.
         if data["train"].get("speed") == 1.0:
             del data["train"]["speed"]
-        for key, default in (("pacing", "fixed"), ("weight_by_tokens", False)):
+        for key, default in (("pacing", "fixed"), ("pacing_speeds", "measured"), ("weight_by_tokens", False)):
             if data["sync"].get(key) == default:
                 del data["sync"][key]
         if not with_layout:  # a sharded checkpoint resumes with any ranks_per_worker (checkpoint/sharded.py)

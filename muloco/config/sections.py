@@ -276,6 +276,13 @@ class SyncConfig(Section):
         "by_speed: worker w takes H_w = max(1, floor(v_w / v_max x H)) so that all finish a round together "
         "(DyLU, Liu et al. 2024, arXiv 2401.09135), v_w its speed (train.speed). One fragment, no overlap.",
     )
+    pacing_speeds: Literal["measured", "declared"] = Field(
+        "measured",
+        description="sync.pacing: by_speed: the speeds that size the rounds. measured: each worker's mean "
+        "inner-step time in the previous round, exchanged over the processes (the first round: "
+        "train.speed's); declared: train.speed's throughout (hivemind and torchft: declared only, their "
+        "workers share no collective outside a sync).",
+    )
     weight_by_tokens: bool = Field(
         False,
         description="sync.pacing: by_speed: weight each worker's pseudogradient in the mean by the tokens it "

@@ -40,7 +40,7 @@ class InnerSteps:
         self.lr_multiplier, self.autocast, self.offload = lr_multiplier, autocast, offload
         self.micro_batches, self.seqs_per_micro, self.grad_clip = shape
         self.batched = batched
-        self.pacing = pacing or Pacing([1.0] * (max(r.index for r in replicas) + 1), 1, by_speed=False)
+        self.pacing = pacing or Pacing(speeds=[1.0] * (max(r.index for r in replicas) + 1))
         self.clock = clock
         self.sleeps = clock is None and self.pacing.emulated  # a process hosting one worker
 

@@ -30,21 +30,42 @@ def worker_pacing(cfg: Config, processes: int, local_workers: int) -> Pacing:
             f"this run hosts {local_workers} workers in each of {processes} processes: launch {cfg.workers} "
             "processes or 1"
         )
-    return Pacing(speeds, cfg.sync.every, cfg.sync.pacing == "by_speed", cfg.sync.weight_by_tokens)
+    by_speed = cfg.sync.pacing == "by_speed"
+    return Pacing(
+        speeds=list(speeds),
+        emulated_speeds=list(speeds),
+        every=cfg.sync.every,
+        by_speed=by_speed,
+        measured=by_speed and cfg.sync.pacing_speeds == "measured",
+        weight_by_tokens=cfg.sync.weight_by_tokens,
+    )
 
 
-class Pacing:
-    def __init__(
-        self, speeds: list[float], every: int, by_speed: bool, weight_by_tokens: bool = False
-    ) -> None:
-        """speeds: one per worker (train.speed); every: H."""
-        self.speeds, self.every, self.by_speed = speeds, every, by_speed
-        self.weight_by_tokens = weight_by_tokens
-        self.fastest = max(speeds)
+def _wiring(default: Any) -> Any:
+    return field(default=default, metadata={"state": False})
+
+
+@dataclass
+class Pacing(Component):
+    """speeds: the relative speeds that size each worker's round (train.speed's, or measured: the previous
+    round's step times, the fastest worker's 1); a checkpoint keeps them, so a resumed run paces alike."""
+
+    added_later: ClassVar[bool] = True  # checkpoints written before it resume without it
+    speeds: list[float]
+    trained_steps: int = 0  # inner steps all workers took in the rounds done
+    emulated_speeds: list[float] = _wiring(None)  # train.speed: what emulation slows each worker to
+    every: int = _wiring(1)  # H
+    by_speed: bool = _wiring(False)
+    measured: bool = _wiring(False)
+    weight_by_tokens: bool = _wiring(False)
+
+    def __post_init__(self) -> None:
+        if self.emulated_speeds is None:
+            self.emulated_speeds = list(self.speeds)
 
     @property
     def emulated(self) -> bool:
-        return any(v != 1.0 for v in self.speeds)
+        return any(v != 1.0 for v in self.emulated_speeds)
 
     def round_start(self, end: int) -> int:
         """The first step of the round that ends at step `end` (the run's last round may be shorter)."""
@@ -54,7 +75,8 @@ class Pacing:
         """The inner steps worker `worker` takes in a round of `length` steps."""
         if not self.by_speed:
             return length
-        return max(1, math.floor(self.speeds[worker] / self.fastest * length))
+        # + 1e-9: a measured ratio that is whole in exact arithmetic (0.5 x 4) stays whole
+        return max(1, math.floor(self.speeds[worker] / max(self.speeds) * length + 1e-9))
 
     def stop_at(self, worker: int, end: int) -> int:
         """The step at which worker `worker` stops training in the round that ends at `end`."""
@@ -69,11 +91,33 @@ class Pacing:
         steps = [self.steps_in_round(w, length) for w in range(len(self.speeds))]
         return len(steps) * steps[worker] / sum(steps)
 
+    def observe(self, step_times: list[tuple[float, int]]) -> None:
+        """measured: the round's (seconds, inner steps) of every worker size the next rounds, each worker's
+        speed the fastest one's step time over its own; a worker that took no step keeps its speed."""
+        if not self.measured:
+            return
+        times = [seconds / steps if steps else None for seconds, steps in step_times]
+        known = [t for t in times if t]
+        if not known:
+            return
+        fastest = min(known)
+        self.speeds = [fastest / t if t else v for t, v in zip(times, self.speeds, strict=True)]
+
+    def close_round(self, end: int, step_times: list[tuple[float, int]]) -> None:
+        """The round that ended at step `end` is done: its steps counted and, measured, the workers' step
+        times in it (seconds, inner steps) size the next rounds."""
+        length = end - self.round_start(end)
+        self.trained_steps += sum(self.steps_in_round(w, length) for w in range(len(self.speeds)))
+        self.observe(step_times)
+
     def worker_steps_until(self, step: int, total_steps: int) -> int:
         """Inner steps all workers together took up to global step `step` (whole rounds, as the log sees
-        them at its sync and eval records)."""
+        them at its sync and eval records). Measured speeds: the rounds done so far (`step` is the
+        run's current step)."""
         if not self.by_speed:
             return step * len(self.speeds)
+        if self.measured:
+            return self.trained_steps
         done, start = 0, 0
         while start < step:
             length = min(self.every, total_steps - start, step - start)
@@ -84,7 +128,7 @@ class Pacing:
     def emulate(self, worker: int, seconds: float) -> float:
         """An inner step that took `seconds` on this worker's hardware, at its emulated speed: the extra
         time it sleeps (a process hosting one worker), returned with the step's emulated seconds."""
-        extra = seconds * (1.0 / self.speeds[worker] - 1.0)
+        extra = seconds * (1.0 / self.emulated_speeds[worker] - 1.0)
         if extra > 0:
             time.sleep(extra)
         return seconds + extra

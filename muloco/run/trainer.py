@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.profiler import record_function
 
 from muloco.allocator import keep_freed_memory
@@ -134,6 +135,7 @@ class Trainer:
         self.components = {
             **counters,
             "clock": self.clock,
+            "pacing": self.pacing,
             "replicas": StateList(self.replicas),
             "rng": RngState(self.device),
             **({"engine": self.engine} if self.engine is not None else {"dp": self.dp}),
@@ -242,6 +244,7 @@ class Trainer:
         # 2. The sync event: the syncs due applied, the fragments scheduled started (engine.round). The
         #    first record of the round carries each worker's step time in it.
         step_times = self._step_times()
+        self.pacing.close_round(end, self._all_step_times(step_times) if self.pacing.measured else [])
         for record in self.engine.round(end, self.replicas, round_loss=self._round_loss):
             self.log.sync(record, step_times)
             step_times = ()
@@ -250,9 +253,19 @@ class Trainer:
         """(seconds, inner steps) of each of the K workers this round: this process's replicas', zeros for
         the others' (the log's means over the processes fill them in)."""
         times = [(0.0, 0)] * self.cfg.workers
-        for replica in self.replicas:
-            times[replica.index] = (replica.round_s, replica.round_steps)
+        if self.topology.is_lead:  # a worker of R ranks is counted once
+            for replica in self.replicas:
+                times[replica.index] = (replica.round_s, replica.round_steps)
         return tuple(times)
+
+    def _all_step_times(self, step_times: tuple[tuple[float, int], ...]) -> list[tuple[float, int]]:
+        """Every worker's (seconds, inner steps) this round, from every process (a small all-reduce that
+        waits: the next round's pacing needs them)."""
+        if self.backend.world_size == 1:
+            return list(step_times)
+        local = torch.tensor(step_times, dtype=torch.float64)  # zeros for the other processes' workers
+        total = self.backend.all_reduce_sum([local]).wait()[0]
+        return [(seconds, round(steps)) for seconds, steps in total.tolist()]
 
     def _round_loss(self) -> SumCount:
         """The train losses since the last sync started, taken for the next one. With R ranks per worker

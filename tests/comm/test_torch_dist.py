@@ -82,7 +82,7 @@ STREAMING_CASES = {
 
 # Workers of different speeds (run/pacing.py), over 4 processes: at H = 3 and speeds 1, 0.5, 1, 0.25 each
 # round takes 3, 1, 3 and 1 inner steps (a process with one worker sleeps its emulated speed's difference).
-SPEED4 = ["train.speed=[1.0, 0.5, 1.0, 0.25]", "sync.pacing=by_speed"]
+SPEED4 = ["train.speed=[1.0, 0.5, 1.0, 0.25]", "sync.pacing=by_speed", "sync.pacing_speeds=declared"]
 PACING_CASES = {
     "by-speed-muon-statistical4-ef": (
         ["inner.ns_dtype=fp32", *STAT4_EF, "sync.transport=all_gather", *SPEED4],
@@ -115,6 +115,9 @@ def process_runs(tmp_path_factory) -> Path:
             overrides |= {name: streaming_common(directory, x) for name, (x, _) in STREAMING_CASES.items()}
         else:
             overrides |= {name: simulation_common(directory, x) for name, (x, _) in PACING_CASES.items()}
+            overrides["by-speed-measured"] = simulation_common(
+                directory, [*SPEED4[:2], "inner.optimizer=adamw"]
+            )
         cases = [{"name": f"{n}-p{nproc}", "overrides": o, "port": free_port()} for n, o in overrides.items()]
         (directory / f"ranks{nproc}").mkdir()
         run_combo_ranks("torch", nproc, cases, directory / f"ranks{nproc}", QS, timeout=300)
@@ -170,6 +173,20 @@ def test_pacing_by_speed_over_processes_equals_the_simulation(tmp_path, process_
     step_times = [r["step_s"] for r in records if r["kind"] == "sync"]
     assert step_times and all(len(s) == 4 and all(v > 0 for v in s) for s in step_times)
     assert "virtual_time_s" not in summary  # processes keep real time
+
+
+def test_measured_speeds_are_exchanged_and_every_rank_paces_alike(process_runs):
+    """Pacing by measured speeds over 4 processes: the step times travel to every rank, which all size the
+    rounds alike (the pacing state every rank checkpoints is the same) and count fewer steps than H each."""
+    run_dir = process_runs / "by-speed-measured-p4"
+    states = [
+        load_checkpoint(list_checkpoints(run_dir / "checkpoints" / d)[-1])["pacing"]
+        for d in ["", "rank1", "rank2", "rank3"]
+    ]
+    assert all(state == states[0] for state in states), states
+    assert max(states[0]["speeds"]) == 1.0  # the fastest worker's, the others relative to it
+    steps = json.loads((run_dir / "summary.json").read_text())["inner_steps"]  # 2 rounds of H = 3
+    assert 2 * 4 <= states[0]["trained_steps"] <= 4 * steps  # at least a step each a round, at most H
 
 
 @pytest.mark.parametrize("case", list(STREAMING_CASES))

@@ -35,6 +35,19 @@ def test_dylu_sizes_each_workers_round_to_its_speed():
     assert Pacing([0.5, 0.25], every=4, by_speed=True).steps_in_round(1, 4) == 2
 
 
+def test_measured_step_times_set_the_speeds_of_the_next_rounds():
+    pacing = Pacing([1.0, 1.0, 1.0], every=4, by_speed=True, measured=True)
+    pacing.close_round(4, [(0.4, 4), (0.8, 4), (0.0, 0)])  # the third worker took no step: keeps its speed
+    assert pacing.speeds == [1.0, 0.5, 1.0] and pacing.trained_steps == 12
+    assert [pacing.stop_at(w, 8) for w in range(3)] == [8, 6, 8]
+    pacing.close_round(8, [(0.4, 4), (0.4, 2), (1.6, 4)])
+    assert pacing.speeds == [1.0, 0.5, 0.25] and pacing.trained_steps == 12 + 10
+    assert pacing.worker_steps_until(8, 100) == 22  # measured: the rounds counted as they ran
+    declared = Pacing([1.0, 0.5, 0.25], every=4, by_speed=True)
+    declared.close_round(4, [(0.4, 4), (0.4, 4), (0.4, 4)])
+    assert declared.speeds == [1.0, 0.5, 0.25]  # declared speeds stay
+
+
 def test_token_weights_are_each_workers_share_times_k():
     pacing = Pacing([1.0, 0.5, 0.25], every=4, by_speed=True, weight_by_tokens=True)
     weights = [pacing.weight(w, 8) for w in range(3)]  # steps 4, 2, 1 of 7
@@ -102,6 +115,18 @@ def test_emulated_speeds_show_in_the_step_times_and_the_virtual_clock(tiny):
     assert summary["virtual_time_s"] == pytest.approx(rounds, rel=1e-3, abs=1e-3)  # written to 1 ms
 
 
+def test_in_a_simulation_the_measured_speeds_are_the_emulated_ones(tiny):
+    """The virtual clock charges each worker the round's mean step time over its speed, so pacing by
+    measured step times paces by train.speed exactly: the two runs end bit for bit alike."""
+    overrides = [*tiny, *BY_SPEED, "inner.optimizer=adamw"]
+    measured = Trainer(load_config(None, [*overrides, "run.name=measured"]))
+    declared = Trainer(load_config(None, [*overrides, "sync.pacing_speeds=declared", "run.name=declared"]))
+    assert measured.run()["tokens_seen"] == declared.run()["tokens_seen"] == 2 * 7 * 128
+    assert measured.pacing.speeds == pytest.approx([1.0, 0.5, 0.25], rel=1e-9)
+    for a, b in zip(measured.engine.outer.params, declared.engine.outer.params, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_by_speed_run_interrupted_mid_round_resumes_exactly(tiny):
     overrides = [*tiny, *BY_SPEED, "simulation.batched=false", "inner.optimizer=adamw"]
     full = Trainer(load_config(None, [*overrides, "run.name=full"]))
@@ -138,6 +163,7 @@ def test_a_by_speed_run_interrupted_mid_round_resumes_exactly(tiny):
         ),
         (["sync.weight_by_tokens=true"], "set sync.pacing=by_speed and sync.aggregate=mean"),
         (["method=dp", "train.speed=0.5"], "with method: dp leave it at 1.0"),
+        (["sync.pacing=by_speed", "backend.kind=hivemind"], "set sync.pacing_speeds=declared"),
     ],
 )
 def test_bad_pacing_settings_are_refused_in_one_line(tiny, overrides, message):

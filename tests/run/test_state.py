@@ -65,7 +65,16 @@ def test_a_checkpoint_is_one_entry_per_component(tiny):
     trainer.run()
     state = load_checkpoint(trainer.save_checkpoint())
     assert state["format"] == FORMAT_VERSION == 2
-    assert set(trainer.components) == {"progress", "ledger", "wan", "clock", "replicas", "rng", "engine"}
+    assert set(trainer.components) == {
+        "progress",
+        "ledger",
+        "wan",
+        "clock",
+        "pacing",
+        "replicas",
+        "rng",
+        "engine",
+    }
     assert set(state) == {"format", "fingerprint", "local_indices", *trainer.components}
     assert state["progress"]["steps"] == trainer.progress.steps == trainer.total_steps
     assert state["ledger"]["bytes_sent"] == trainer.ledger.bytes_sent > 0
