@@ -274,7 +274,8 @@ class SyncConfig(Section):
         "fixed",
         description="Inner steps per round. fixed: H for every worker (the round waits for the slowest); "
         "by_speed: worker w takes H_w = max(1, floor(v_w / v_max x H)) so that all finish a round together "
-        "(DyLU, Liu et al. 2024, arXiv 2401.09135), v_w its speed (train.speed). One fragment, no overlap.",
+        "(DyLU, Liu et al. 2024, arXiv 2401.09135), v_w its speed (sync.pacing_speeds). One fragment, no "
+        "overlap.",
     )
     pacing_speeds: Literal["measured", "declared"] = Field(
         "measured",

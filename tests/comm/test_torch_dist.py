@@ -40,6 +40,16 @@ def final_global_params(run_dir: Path, rank_dir: str = ""):
     return state["engine"]["outer"]["params"]
 
 
+def assert_close_params(expected, got, rtol: float) -> None:
+    """Bitwise when rtol is 0, else each tensor within rtol of its norm (as SIMULATION_CASES)."""
+    assert len(got) == len(expected)
+    for a, b in zip(expected, got, strict=True):
+        if rtol == 0:
+            assert torch.equal(a, b), (a - b).abs().max()
+        else:
+            assert (a - b).norm() <= rtol * b.norm(), ((a - b).norm() / b.norm()).item()
+
+
 STAT4_EF = ["compression.scheme=statistical", "compression.bits=4", "compression.error_feedback=true"]
 STAT4_EF_RS = [*STAT4_EF, "sync.transport=reduce_scatter"]
 
@@ -134,13 +144,7 @@ def test_simulation_equals_4x1_and_2x2_processes(tmp_path, process_runs, case):
         run_dir = process_runs / f"{case}-p{nproc}"
         # Every rank holds the same global parameters (each checkpoints its own engine).
         for rank_dir in ["", *(f"rank{r}" for r in range(1, nproc))]:
-            got = final_global_params(run_dir, rank_dir)
-            assert len(got) == len(expected)
-            for a, b in zip(expected, got, strict=True):
-                if rtol == 0:
-                    assert torch.equal(a, b), (a - b).abs().max()
-                else:
-                    assert (a - b).norm() <= rtol * b.norm(), ((a - b).norm() / b.norm()).item()
+            assert_close_params(expected, final_global_params(run_dir, rank_dir), rtol)
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["outer_steps"] == 2 and summary["workers"] == 4
         # The logged train loss is the mean over all K replicas, whichever process hosts them.
@@ -162,11 +166,7 @@ def test_pacing_by_speed_over_processes_equals_the_simulation(tmp_path, process_
     sim = Trainer(load_config(QS, [*simulation_common(tmp_path, extra), "run.name=sim"]))
     sim.run()
     run_dir = process_runs / f"{case}-p4"
-    for a, b in zip(sim.engine.outer.params, final_global_params(run_dir), strict=True):
-        if rtol == 0:
-            assert torch.equal(a, b), (a - b).abs().max()
-        else:
-            assert (a - b).norm() <= rtol * b.norm(), ((a - b).norm() / b.norm()).item()
+    assert_close_params(sim.engine.outer.params, final_global_params(run_dir), rtol)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["tokens_seen"] == json.loads((sim.run_dir / "summary.json").read_text())["tokens_seen"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -197,11 +197,7 @@ def test_streaming_over_processes_equals_the_simulation(tmp_path, process_runs, 
     sim = Trainer(load_config(QS, [*streaming_common(tmp_path, extra), "run.name=sim"]))
     sim.run()
     run_dir = process_runs / f"{case}-p2"
-    for a, b in zip(sim.engine.outer.params, final_global_params(run_dir), strict=True):
-        if rtol == 0:
-            assert torch.equal(a, b), (a - b).abs().max()
-        else:  # relative to the tensor's norm, as SIMULATION_CASES
-            assert (a - b).norm() <= rtol * b.norm(), ((a - b).norm() / b.norm()).item()
+    assert_close_params(sim.engine.outer.params, final_global_params(run_dir), rtol)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["fragment_syncs"] == sim.progress.fragment_syncs
     assert (
