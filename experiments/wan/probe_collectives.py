@@ -52,6 +52,8 @@ OPS = [
     ("all_reduce PowerSGD r4 Q", "all_reduce", 24_576),
     ("reduce_scatter 4-bit pico", "reduce_scatter", 110_004, 220_296),
     ("reduce_scatter 2-bit pico", "reduce_scatter", 63_812, 110_104),
+    # Sparse MuLoCo (wan_rows.py's muloco_sparse): its message at pico, 3.125% of each tile at 2 bits
+    ("all_gather sparse pico", "all_gather", 11_853),
 ]
 
 

@@ -42,6 +42,7 @@ LOOPBACK_OPS = {
     "muloco_4bit_window": ("all_gather 4-bit pico",),  # sync.transport auto: all_gather when overlapped
     "muloco_4bit_eager": ("all_gather 4-bit pico",),
     "streaming_4bit": ("all_gather 4-bit fragment",),
+    "muloco_sparse": ("all_gather sparse pico",),  # sparse parts are all-gathered on every backend
     "hivemind_4bit": (),
 }
 

@@ -66,6 +66,25 @@ STREAMING = ("sync.fragments=3", "sync.overlap=4")
 # 2.16, eager 1.80 against 1.35 without overlap).
 WINDOW = ("sync.overlap=15", "outer.lr=0.5", "outer.momentum=0.15")
 EAGER = ("sync.overlap=15", "sync.eager=true", "outer.lr=0.35", "outer.momentum=0.6")
+# Sparse MuLoCo (issue 61): 3.125% of every 64 x 64 tile at 2-bit values, error feedback decayed by 0.9, each
+# coordinate averaged over the workers that sent it, under SparseLoCo's outer rule (SGD without momentum,
+# norms sparsified too), which beat MuLoCo's Nesterov rule under this schedule (configs/sweeps/
+# wan_tune_sparse.yaml; results in experiments/wan/results/wan_tune_sparse/: 1.4468 at outer lr 0.5 against
+# 1.4812 for Nesterov at its best, 0.25) and in the pico frontier (configs/sweeps/sparse_frontier.yaml). Its
+# message is 11,853 bytes a sync (MuLoCo 4-bit's: 110,424).
+SPARSE = (
+    "compression.scheme=topk",
+    "compression.topk_chunk=4096",
+    "compression.topk_fraction=0.03125",
+    "compression.topk_value_bits=2",
+    "compression.error_feedback=true",
+    "compression.ef_decay=0.9",
+    "compression.skip=[]",
+    "sync.aggregate=sender_mean",
+    "outer.lr=0.5",
+    "outer.momentum=0.0",
+    "outer.nesterov=false",
+)
 HIVEMIND = (*MULOCO, *FOUR_BIT, "backend.hivemind.target_group_size=4")  # a group starts once all 4 are in
 KILLED = "MuLoCo 4-bit, torchft, a worker killed at 40% and restarted"
 ROWS = {
@@ -82,6 +101,7 @@ ROWS = {
         Row("muloco_4bit_window", "MuLoCo 4-bit, whole window overlapped", (*MULOCO, *FOUR_BIT, *WINDOW)),
         Row("muloco_4bit_eager", "MuLoCo 4-bit, whole window, eager", (*MULOCO, *FOUR_BIT, *EAGER)),
         Row("streaming_4bit", "streaming MuLoCo 4-bit P=3 tau=4", (*MULOCO, *FOUR_BIT, *STREAMING)),
+        Row("muloco_sparse", "MuLoCo sparse 3.125% 2-bit (SparseLoCo's rule)", (*MULOCO, *SPARSE)),
         Row("torchft_4bit", "MuLoCo 4-bit, torchft", (*MULOCO, *FOUR_BIT), "torchft", twin="muloco_4bit"),
         Row("torchft_4bit_kill", KILLED, (*MULOCO, *FOUR_BIT), "torchft", twin="muloco_4bit", kill_at=0.4),
         Row("hivemind_4bit", "MuLoCo 4-bit, hivemind", HIVEMIND, "hivemind", twin="muloco_4bit"),

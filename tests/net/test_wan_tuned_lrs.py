@@ -50,6 +50,8 @@ def _best(source: str, settings: dict, side: str) -> dict:
         # naive row's momentum below the first grid's edge (0.3)
         *[(WINDOW, "wan_tune_overlap+wan_tune_overlap_naive", NAIVE, "cell", k, k) for k in OUTER],
         *[(EAGER, "wan_tune_overlap", {"sync.eager": True}, "cell", k, k) for k in OUTER],
+        # the sparse row (issue 61) at the better of the two outer rules its tune compares
+        ("muloco_sparse", "wan_tune_sparse", {"outer.momentum": 0.0}, "cell", "outer.lr", "outer.lr"),
     ],
 )
 def test_each_row_runs_at_its_tuned_lr(row, source, settings, side, field, key):
