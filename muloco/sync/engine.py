@@ -113,8 +113,7 @@ class SyncEngine:
         self.wan = wan
         self.guard = BadSyncGuard(self.progress, reducer.workers, max_bad_syncs)
         self.observer = None  # diagnostics (run/alignment.py): sees every pseudogradient and merge
-        # sync.weight_by_tokens (run/pacing.py): (worker, step) -> its pseudogradient's weight in the mean
-        self.contribution_weight: Callable[[int, int], float] | None = None
+        self.contribution_weight: Callable[[int, int], float] | None = None  # weight_by_tokens (pacing.py)
         self.conclusion: dict[str, Any] = {}  # the reducer's final agreement's summary fields (conclude)
         self.in_flight: list[InFlightSync] = []
         workers = reducer.workers or 1

@@ -40,6 +40,13 @@ def final_global_params(run_dir: Path, rank_dir: str = ""):
     return state["engine"]["outer"]["params"]
 
 
+def simulated(overrides: list[str]) -> Trainer:
+    """The one-process run of `overrides`, finished."""
+    sim = Trainer(load_config(QS, [*overrides, "run.name=sim"]))
+    sim.run()
+    return sim
+
+
 def assert_close_params(expected, got, rtol: float) -> None:
     """Bitwise when rtol is 0, else each tensor within rtol of its norm (as SIMULATION_CASES)."""
     assert len(got) == len(expected)
@@ -163,9 +170,7 @@ def test_pacing_by_speed_over_processes_equals_the_simulation(tmp_path, process_
     """Pacing by speed with emulated speeds: 4 processes (each sleeping its speed's difference) end where
     the simulation (a virtual clock) does, and rank 0 logs every worker's step time."""
     extra, rtol = PACING_CASES[case]
-    sim = Trainer(load_config(QS, [*simulation_common(tmp_path, extra), "run.name=sim"]))
-    sim.run()
-    run_dir = process_runs / f"{case}-p4"
+    sim, run_dir = simulated(simulation_common(tmp_path, extra)), process_runs / f"{case}-p4"
     assert_close_params(sim.engine.outer.params, final_global_params(run_dir), rtol)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["tokens_seen"] == json.loads((sim.run_dir / "summary.json").read_text())["tokens_seen"]
@@ -194,9 +199,7 @@ def test_streaming_over_processes_equals_the_simulation(tmp_path, process_runs, 
     """Streaming (P = 2, tau = 1, alpha = 0.5): the torch backend starts each fragment's collective, keeps
     training one step and only then waits; the result equals the simulation's logically completed syncs."""
     extra, rtol = STREAMING_CASES[case]
-    sim = Trainer(load_config(QS, [*streaming_common(tmp_path, extra), "run.name=sim"]))
-    sim.run()
-    run_dir = process_runs / f"{case}-p2"
+    sim, run_dir = simulated(streaming_common(tmp_path, extra)), process_runs / f"{case}-p2"
     assert_close_params(sim.engine.outer.params, final_global_params(run_dir), rtol)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["fragment_syncs"] == sim.progress.fragment_syncs
