@@ -1,7 +1,7 @@
 """Loss against bytes for every codec (issue 61): final val loss and bytes per worker of DiLoCo and MuLoCo
 with fp32, statistical 4-bit, 2-bit + error feedback and chunked top-k pseudogradients, and of SparseLoCo as
-published and with Muon inside, from the sweeps sparse_frontier, sparse_tune and sparseloco_tune
-(docs/results.md, "Sparse pseudogradients"; the plot in docs/img).
+published and with Muon inside, from the sweep sparse_frontier (docs/results.md, "Sparse pseudogradients";
+the plot in docs/img). Each row runs at the best lr of its tune (sparse_tune.yaml, sparseloco_tune.yaml).
 
     muloco sweep configs/sweeps/sparse_tune.yaml --jobs 2       # the sparse rows' outer lr (K = 4, seed 0)
     muloco sweep configs/sweeps/sparseloco_tune.yaml --jobs 2   # SparseLoCo's outer lr and beta
@@ -9,9 +9,9 @@ published and with Muon inside, from the sweeps sparse_frontier, sparse_tune and
     python experiments/paper_check/sparse_frontier.py \
         --json experiments/paper_check/sparse_frontier_results.json --plot docs/img/sparse_frontier.png
 
-A row is one setting of the frontier sweep; the tune sweeps' runs with the same settings (seed 0 at K = 4)
-join it, so the tuned runs are not run twice. "vs fp32" is (loss / same method's fp32 loss - 1) x 100 for
-the same seed, then the mean over the seeds; "message" is fp32's payload per sync over the row's.
+A row is one setting of the frontier sweep, with its seeds. "vs fp32" is (loss / same method's fp32
+loss - 1) x 100 for the same seed, then the mean over the seeds; "message" is fp32's payload per sync
+over the row's.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from muloco.tools.runs import RunRecord, load_runs
 
-SWEEPS = ("sparse_frontier", "sparse_tune", "sparseloco_tune")
+SWEEP = "sparse_frontier"
 # Keys that name a run or say where it ran, not what it trained: runs that differ only in these are one row.
 NOT_SETTINGS = ("run.seed", "run.name", "run.output_dir", "logging.", "checkpoint.", "train.threads")
 METHODS = ("DiLoCo", "MuLoCo", "SparseLoCo", "SparseLoCo + Muon")
@@ -58,19 +58,13 @@ def settings(run: RunRecord) -> str:
 
 
 def frontier_rows(root: Path) -> list[dict[str, Any]]:
-    """One row per setting the frontier sweep ran, with every seed any of the three sweeps ran it at."""
+    """One row per setting the frontier sweep ran, with every seed it ran it at."""
     by_setting: dict[str, list[RunRecord]] = {}
-    frontier: set[str] = set()
-    for sweep in SWEEPS:
-        for run in load_runs(root / sweep):
-            if not run.completed or run.loss is None:
-                continue
-            key = settings(run)
-            by_setting.setdefault(key, []).append(run)
-            if sweep == "sparse_frontier":
-                frontier.add(key)
+    for run in load_runs(root / SWEEP):
+        if run.completed and run.loss is not None:
+            by_setting.setdefault(settings(run), []).append(run)
     rows = []
-    for key in frontier:
+    for key in by_setting:
         seeds: dict[int, RunRecord] = {}
         for run in by_setting[key]:
             seeds.setdefault(int(run.config.get("run.seed", 0)), run)

@@ -61,7 +61,7 @@ class InnerSteps:
             if replica.inner_steps == self.pacing.stop_at(replica.index, end):
                 replica.inner_steps = end  # its share of the round is done
         if self.clock is not None:
-            speeds = [self.pacing.speeds[r.index] for r in self.replicas]
+            speeds = [self.pacing.emulated_speeds[r.index] for r in self.replicas]  # not the pacing's
             steps = [r.round_steps for r in self.replicas]
             emulated = self.clock.advance(speeds, steps, time.perf_counter() - t0)
             for replica, seconds in zip(self.replicas, emulated, strict=True):

@@ -127,6 +127,24 @@ def test_in_a_simulation_the_measured_speeds_are_the_emulated_ones(tiny):
         assert torch.equal(a, b)
 
 
+def test_the_virtual_clock_charges_the_emulated_speeds_not_the_pacings(tiny, monkeypatch):
+    """Measured pacing rescales the speeds to the fastest worker's 1 after the first round; the clock must
+    still charge each worker the speed train.speed emulates (both at 0.5: every round at half speed)."""
+    charged = []
+    advance = SpeedClock.advance
+
+    def recording(self, speeds, steps, seconds):
+        charged.append(list(speeds))
+        return advance(self, speeds, steps, seconds)
+
+    monkeypatch.setattr(SpeedClock, "advance", recording)
+    overrides = [*tiny, *SPEEDS, "workers=2", "train.speed=[0.5, 0.5]", "sync.pacing=by_speed"]
+    trainer = Trainer(load_config(None, overrides))
+    trainer.run()
+    assert trainer.pacing.speeds == pytest.approx([1.0, 1.0], rel=0.5)  # measured, relative to the fastest
+    assert charged == [[0.5, 0.5], [0.5, 0.5]]
+
+
 def test_a_by_speed_run_interrupted_mid_round_resumes_exactly(tiny):
     overrides = [*tiny, *BY_SPEED, "simulation.batched=false", "inner.optimizer=adamw"]
     full = Trainer(load_config(None, [*overrides, "run.name=full"]))
