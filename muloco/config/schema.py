@@ -351,7 +351,8 @@ class Config(Section):
         # Added after checkpoints existed: count only when set.
         if data["train"].get("speed") == 1.0:
             del data["train"]["speed"]
-        for key, default in (("pacing", "fixed"), ("pacing_speeds", "measured"), ("weight_by_tokens", False)):
+        paced = (("pacing", "fixed"), ("pacing_speeds", "measured"), ("pacing_tolerance", 0.05))
+        for key, default in (*paced, ("weight_by_tokens", False)):
             if data["sync"].get(key) == default:
                 del data["sync"][key]
         if not with_layout:  # a sharded checkpoint resumes with any ranks_per_worker (checkpoint/sharded.py)

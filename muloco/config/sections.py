@@ -284,6 +284,14 @@ class SyncConfig(Section):
         "train.speed's); declared: train.speed's throughout (hivemind and torchft: declared only, their "
         "workers share no collective outside a sync).",
     )
+    pacing_tolerance: float = Field(
+        0.05,
+        ge=0.0,
+        lt=0.5,
+        description="sync.pacing_speeds: measured: a worker whose measured speed is within this fraction of "
+        "the fastest's paces as the fastest (equal hosts' step times differ by a few percent from round to "
+        "round, and the floor would take a step a round from every worker but the fastest); 0: as measured.",
+    )
     weight_by_tokens: bool = Field(
         False,
         description="sync.pacing: by_speed: weight each worker's pseudogradient in the mean by the tokens it "

@@ -37,6 +37,7 @@ def worker_pacing(cfg: Config, processes: int, local_workers: int) -> Pacing:
         every=cfg.sync.every,
         by_speed=by_speed,
         measured=by_speed and cfg.sync.pacing_speeds == "measured",
+        tolerance=cfg.sync.pacing_tolerance,
         weight_by_tokens=cfg.sync.weight_by_tokens,
     )
 
@@ -57,6 +58,7 @@ class Pacing(Component):
     every: int = _wiring(1)  # H
     by_speed: bool = _wiring(False)
     measured: bool = _wiring(False)
+    tolerance: float = _wiring(0.0)  # measured: speeds this close to the fastest's pace as the fastest
     weight_by_tokens: bool = _wiring(False)
 
     def __post_init__(self) -> None:
@@ -93,7 +95,8 @@ class Pacing(Component):
 
     def observe(self, step_times: list[tuple[float, int]]) -> None:
         """measured: the round's (seconds, inner steps) of every worker size the next rounds, each worker's
-        speed the fastest one's step time over its own; a worker that took no step keeps its speed."""
+        speed the fastest one's step time over its own (within `tolerance` of 1: 1, timing noise); a worker
+        that took no step keeps its speed."""
         if not self.measured:
             return
         times = [seconds / steps if steps else None for seconds, steps in step_times]
@@ -101,7 +104,8 @@ class Pacing(Component):
         if not known:
             return
         fastest = min(known)
-        self.speeds = [fastest / t if t else v for t, v in zip(times, self.speeds, strict=True)]
+        speeds = [fastest / t if t else v for t, v in zip(times, self.speeds, strict=True)]
+        self.speeds = [1.0 if v >= 1.0 - self.tolerance else v for v in speeds]
 
     def close_round(self, end: int, step_times: list[tuple[float, int]]) -> None:
         """The round that ended at step `end` is done: its steps counted and, measured, the workers' step

@@ -48,6 +48,18 @@ def test_measured_step_times_set_the_speeds_of_the_next_rounds():
     assert declared.speeds == [1.0, 0.5, 0.25]  # declared speeds stay
 
 
+def test_measured_speeds_within_the_tolerance_of_the_fastest_pace_as_the_fastest():
+    """Equal hosts measure a few percent apart: without a tolerance the floor takes a step from each."""
+    noisy = [(0.40, 15), (0.41, 15), (0.42, 15), (0.80, 15)]
+    exact = Pacing([1.0] * 4, every=15, by_speed=True, measured=True)
+    exact.close_round(15, noisy)
+    assert [exact.steps_in_round(w, 15) for w in range(4)] == [15, 14, 14, 7]
+    tolerant = Pacing([1.0] * 4, every=15, by_speed=True, measured=True, tolerance=0.05)
+    tolerant.close_round(15, noisy)
+    assert tolerant.speeds == [1.0, 1.0, 1.0, 0.5]
+    assert [tolerant.steps_in_round(w, 15) for w in range(4)] == [15, 15, 15, 7]
+
+
 def test_token_weights_are_each_workers_share_times_k():
     pacing = Pacing([1.0, 0.5, 0.25], every=4, by_speed=True, weight_by_tokens=True)
     weights = [pacing.weight(w, 8) for w in range(3)]  # steps 4, 2, 1 of 7
