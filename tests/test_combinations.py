@@ -50,6 +50,8 @@ FRAGMENTS = {
     "eager": ["sync.overlap=3", "sync.eager=true"],
     # workers of different speeds (run/pacing.py): speeds 1, 0.5 (, 0.25) emulated, each round paced by them
     "paced": ["sync.pacing=by_speed"],
+    # asynchronous outer updates (run/async_rounds.py, a simulation only): each window applied on arrival
+    "async": ["sync.mode=async"],
 }
 SPEEDS = {2: "train.speed=[1.0, 0.5]", 3: "train.speed=[1.0, 0.5, 0.25]"}
 STEPS = 7  # syncs at 3 and 6 (streaming: a fragment's every 1.5 steps), and all at the last step
@@ -66,12 +68,14 @@ def overrides(K: int, compression: str, fragments: str, tmp_path: Path) -> list[
         "train.eval_tokens=256",
         *COMPRESSIONS[compression],
         *FRAGMENTS[fragments],
-        *([SPEEDS[K]] if fragments == "paced" else []),
+        *([SPEEDS[K]] if fragments in ("paced", "async") else []),
         f"run.output_dir={tmp_path}",
     ]
 
 
 def expected_transport(backend: str, K: int, compression: str, fragments: str) -> str:
+    if fragments == "async":
+        return "point_to_point"
     if compression == "fp32":
         return "all_reduce"
     if compression == "topk2-ef":
@@ -95,6 +99,9 @@ def check_summary(
 
 
 CASES = [(c, f) for c in COMPRESSIONS for f in FRAGMENTS]
+# async trains one window at a time whether or not the replicas step together: not run batched; a
+# simulation only: not run over processes.
+SYNCED = [(c, f) for c, f in CASES if f != "async"]
 
 
 @pytest.mark.parametrize("K", [2, 3])
@@ -106,7 +113,7 @@ def test_simulation_at_the_defaults(tmp_path, K, compression, fragments):
     check_summary(tmp_path / "sim", "local", K, compression, fragments)
 
 
-@pytest.mark.parametrize("compression, fragments", CASES, ids=[f"{c}-{f}" for c, f in CASES])
+@pytest.mark.parametrize("compression, fragments", SYNCED, ids=[f"{c}-{f}" for c, f in SYNCED])
 def test_simulation_batched_as_on_cuda(tmp_path, compression, fragments):
     """What simulation.batched=auto gives on a GPU (replicas stepped together), here forced on the CPU, with
     each compression and streaming at K = 3, equal to the sequential replicas' run."""
@@ -149,7 +156,7 @@ def test_every_backend_at_the_defaults(tmp_path, backend, K):
     if backend in ("hivemind", "torchft"):  # no collective outside a sync: pacing by the declared speeds
         backend_extra = [*backend_extra, "sync.pacing_speeds=declared"]
     carries = ("window", "eager") if backend in ("torch", "torchft") else ()
-    carried = [(c, f) for c, f in CASES if f not in ("window", "eager") or f in carries]
+    carried = [(c, f) for c, f in SYNCED if f not in ("window", "eager") or f in carries]
     cases = [
         {
             "name": f"{c}-{f}",
@@ -217,6 +224,8 @@ def test_workers_of_two_ranks_at_the_defaults(tmp_path, backend, nproc, K):
         (["backend.kind=hivemind", "sync.overlap=2", "sync.eager=true"], "sync.eager"),
         (["sync.eager=true"], "sync.eager"),
         (["sync.pacing=by_speed", "sync.overlap=1"], "sync.pacing=by_speed"),
+        (["sync.mode=async", "backend.kind=torch"], "sync.mode=async"),
+        (["sync.mode=async", "sync.fragments=2"], "sync.mode=async"),
         (
             ["sharding=fsdp", "ranks_per_worker=2", "backend.kind=torch", "train.micro_batch_tokens=32"]
             + ["sync.transport=reduce_scatter"],

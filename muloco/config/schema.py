@@ -219,6 +219,11 @@ class Config(Section):
                 f"backend.kind={self.backend.kind} has no collective for: set sync.pacing_speeds=declared "
                 "and each worker's speed in train.speed"
             )
+        if self.sync.mode == "async" and (self.backend.kind != "local" or self.method == "dp"):
+            raise ValueError(
+                f"sync.mode=async runs DiLoCo in a simulation (backend.kind=local) so far; with "
+                f"method={self.method}, backend.kind={self.backend.kind} use sync.mode=sync"
+            )
         if self.method == "dp" and self.worker_speeds != [1.0] * self.workers:
             raise ValueError("train.speed emulates slower DiLoCo workers; with method: dp leave it at 1.0")
 
@@ -352,7 +357,8 @@ class Config(Section):
         if data["train"].get("speed") == 1.0:
             del data["train"]["speed"]
         paced = (("pacing", "fixed"), ("pacing_speeds", "measured"), ("pacing_tolerance", 0.05))
-        for key, default in (*paced, ("weight_by_tokens", False)):
+        later = (("weight_by_tokens", False), ("mode", "sync"), ("momentum_every", None))
+        for key, default in (*paced, *later):
             if data["sync"].get(key) == default:
                 del data["sync"][key]
         if not with_layout:  # a sharded checkpoint resumes with any ranks_per_worker (checkpoint/sharded.py)

@@ -297,6 +297,20 @@ class SyncConfig(Section):
         description="sync.pacing: by_speed: weight each worker's pseudogradient in the mean by the tokens it "
         "trained this round (K x H_w / sum H) instead of equally; needs sync.aggregate: mean.",
     )
+    mode: Literal["sync", "async"] = Field(
+        "sync",
+        description="sync: every round ends in a sync of all the workers (a barrier); async: each worker's "
+        "pseudogradient is applied to the global parameters when it arrives, by delayed Nesterov (Liu et "
+        "al. 2024, arXiv 2401.09135), and the worker goes on from the new ones at once. async runs in a "
+        "simulation (backend.kind: local) with one fragment, no overlap and the plain mean "
+        "(docs/heterogeneous.md).",
+    )
+    momentum_every: int | None = Field(
+        None,
+        ge=1,
+        description="sync.mode: async: N, the arrivals between two updates of the outer momentum (delayed "
+        "Nesterov); default K, so that K arrivals make one Nesterov step on their mean.",
+    )
     trim: int = Field(
         1,
         ge=1,
@@ -341,11 +355,26 @@ class SyncConfig(Section):
                 "sync.weight_by_tokens weights the plain mean by each worker's steps under pacing by speed: "
                 "set sync.pacing=by_speed and sync.aggregate=mean (or sync.weight_by_tokens=false)"
             )
+        if self.mode == "async":
+            self._check_async()
         for field in ("embedding_fragment", "head_fragment"):
             value = getattr(self, field)
             if not -P <= value < P:
                 raise ValueError(f"sync.{field} ({value}) must be in [-{P}, {P - 1}] for {P} fragments")
         return self
+
+    def _check_async(self) -> None:
+        if self.streaming or self.eager:
+            raise ValueError(
+                "sync.mode=async applies each worker's whole window when it arrives: use one fragment "
+                "without overlap (sync.fragments=1, sync.overlap=0, sync.alpha=0, sync.eager=false)"
+            )
+        one_at_a_time = self.aggregate in ("mean", "sender_mean") and not self.weight_by_tokens
+        if not one_at_a_time or self.transport == "reduce_scatter":
+            raise ValueError(
+                "sync.mode=async applies one worker's pseudogradient at a time, there is no mean to "
+                "aggregate: set sync.aggregate=mean, sync.weight_by_tokens=false and sync.transport=auto"
+            )
 
     @property
     def streaming(self) -> bool:

@@ -78,7 +78,10 @@ def build_summary(
     return {
         **config_figures(cfg),
         # sync.transport as resolved (auto -> all_gather | reduce_scatter; fp32 and dp: all_reduce)
-        "transport": getattr(components.get("engine"), "transport", "all_reduce"),
+        # sync.mode: async sends each window's message to the global parameters' holder alone
+        "transport": "point_to_point"
+        if "async" in components
+        else getattr(components.get("engine"), "transport", "all_reduce"),
         **(dp_figures(components["dp"]) if "dp" in components else {}),
         "tokens_seen": tokens,
         **components["progress"].summary(),

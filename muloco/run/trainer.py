@@ -26,6 +26,7 @@ from muloco.comm import Backend, build_backend
 from muloco.comm.topology import build_topology
 from muloco.config import Config
 from muloco.data import ReplicaStream, load_data, val_batches
+from muloco.run.async_rounds import async_rounds
 from muloco.run.batched import use_batched
 from muloco.run.build import (
     alignment_probe,
@@ -132,6 +133,7 @@ class Trainer:
         self.inner = InnerSteps(
             self.replicas, *inner_args, batched=self.batched, pacing=self.pacing, clock=clock
         )
+        self.async_rounds = async_rounds(cfg, self)  # sync.mode: async: no barrier (None: sync)
         self.components = {
             **counters,
             "clock": self.clock,
@@ -140,6 +142,7 @@ class Trainer:
             "rng": RngState(self.device),
             **({"engine": self.engine} if self.engine is not None else {"dp": self.dp}),
             **({"membership": self.reducer.membership} if hasattr(self.reducer, "membership") else {}),
+            **({"async": self.async_rounds} if self.async_rounds is not None else {}),
         }
         # Every component from the checkpoint `checkpoint.resume` names, if any (checkpointing.py).
         self.resumed_from = self.checkpoints.resume(self.components, self.replicas[0].model, self.init_source)
@@ -222,6 +225,12 @@ class Trainer:
         if self.dp is not None:
             self._dp_step()
             return
+        if self.async_rounds is not None:  # no barrier: the next worker's window to end, applied
+            record = self.async_rounds.arrive_next()
+            if record is not None:
+                self.log.sync(record)
+            self.clock.virtual_s = self.async_rounds.virtual_s
+            return
         end = min(self.engine.next_event(self.progress.steps), self.total_steps)
 
         # 1. Inner steps: each replica trains alone on its own data stream until the next event. A signal
@@ -284,6 +293,8 @@ class Trainer:
     # -- helpers of the loop --------------------------------------------------------------------------
     def tokens_at(self, step: int) -> int:
         """Tokens all workers trained up to inner step `step` (pacing by speed: each its share)."""
+        if self.async_rounds is not None:  # the windows arrived so far
+            return self.async_rounds.credited * self.cfg.worker_batch_tokens
         steps = self.pacing.worker_steps_until(step, self.total_steps)
         return steps * self.cfg.worker_batch_tokens
 
@@ -295,7 +306,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Val loss of the global parameters (evaluate.py)."""
         # Streaming: the replicas hold fragments at different rounds, so the global parameters are evaluated.
-        streaming = self.engine is not None and self.cfg.sync.streaming
+        streaming = self.engine is not None and (self.cfg.sync.streaming or self.async_rounds is not None)
         global_params = self.engine.global_params if streaming else None
         val_loss = evaluate_global(self.replicas[0], global_params, self.val_set, self.device, self.autocast)
         self.progress.val_losses.append([self.progress.steps, val_loss])
