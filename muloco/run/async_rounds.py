@@ -35,6 +35,7 @@ from muloco.sync import SumCount, SyncRecord
 from muloco.sync.counters import CommLedger, Component, Progress
 from muloco.sync.delayed_nesterov import DelayedNesterov
 from muloco.sync.gather import global_norm
+from muloco.sync.guard import BadSyncGuard
 from muloco.sync.messages import build_codecs
 
 
@@ -66,6 +67,7 @@ class AsyncRounds(Component):
     train_step: Callable[[Any, float], float] = _wiring()  # (replica, lr) -> its loss
     progress: Progress = _wiring()
     ledger: CommLedger = _wiring()
+    guard: BadSyncGuard = _wiring()  # train.max_bad_syncs windows in a row left out stop the run
     total_steps: int = _wiring(0)
     codec: Any = _wiring()
     outer: DelayedNesterov = _wiring()
@@ -120,7 +122,9 @@ class AsyncRounds(Component):
             replica.reset_to(self.bases[w])
             if self.feedback[w] is not None:
                 self.feedback[w].reset()
-            self.progress.bad_syncs += 1
+        self.guard.record(
+            0 if update_norm is not None else 1, f"worker {w}'s window at step {self.progress.steps}"
+        )
         staleness = self.arrivals - self.pulled_at[w]
         self.arrivals += 1
         self.credited += steps
@@ -157,7 +161,7 @@ class AsyncRounds(Component):
             losses.append(self.train_step(replica, lr))
             replica.inner_steps += 1
         seconds = time.perf_counter() - t0
-        self.compute_s += seconds * v  # a speed-1 step's time: this host runs every worker at full speed
+        self.compute_s += seconds  # this host runs every worker at full speed: a speed-1 step's time
         self.computed += self.window_steps[w]
         self.progress.worker_compute_s += seconds / self.workers
         return losses
@@ -216,6 +220,7 @@ def async_rounds(cfg: Config, trainer: Any) -> AsyncRounds | None:
         train_step=lambda replica, lr: replica.train_step(*shape, lr, t.grad_clip, trainer.autocast),
         progress=trainer.progress,
         ledger=trainer.ledger,
+        guard=trainer.engine.guard,
         total_steps=trainer.total_steps,
         codec=codecs[0] if codecs else None,
         outer=DelayedNesterov(params, cfg.outer.lr, cfg.outer.momentum, cfg.sync.momentum_every or K),
