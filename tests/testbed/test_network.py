@@ -266,7 +266,8 @@ BUSY = (
 @pytest.mark.skipif(missing_cpu_controller() is not None, reason=f"{missing_cpu_controller()}")
 def test_a_hosts_cpu_quota_caps_its_processes_and_goes_with_the_testbed():
     """Host 0 at a quarter of a core: a busy loop there gets at most that share of its wall time (the cap
-    holds on a busy machine too; the uncapped share depends on the load, so it is not asserted)."""
+    holds on a busy machine too; the uncapped share depends on the load, so it is not asserted, and on a
+    machine so busy that host 1 got no more than half a core, host 0 may never reach its quota)."""
     wall = 2.0
     with Testbed(2, rate_mbit=100, cpus=[0.25, 1.0]) as testbed:
         groups = list(testbed.quotas.groups)
@@ -278,7 +279,8 @@ def test_a_hosts_cpu_quota_caps_its_processes_and_goes_with_the_testbed():
         ]
         cpu = [float(p.communicate(timeout=60)[0]) for p in procs]
         assert cpu[0] <= 0.25 * wall * 1.2 + 0.05, cpu
-        assert testbed.quotas.throttled_s(0) > 0
+        if cpu[1] > 0.5 * wall:  # the machine had room beyond host 0's quota: the cap is what held it
+            assert testbed.quotas.throttled_s(0) > 0, cpu
     assert not any(g.exists() for g in groups)
     with pytest.raises(UserError, match="testbed cpus lists 1 quotas for 2 hosts"):
         Testbed(2, rate_mbit=100, cpus=[1.0])
