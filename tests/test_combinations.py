@@ -102,10 +102,14 @@ CASES = [(c, f) for c in COMPRESSIONS for f in FRAGMENTS]
 # async trains one window at a time whether or not the replicas step together: not run batched; a
 # simulation only: not run over processes.
 SYNCED = [(c, f) for c, f in CASES if f != "async"]
+# async at K = 3 only: three speeds make every window end at its own time (the suite's time is spent
+# where a case can fail differently).
+SIMULATED = [(K, c, f) for K in (2, 3) for c, f in CASES if K == 3 or f != "async"]
 
 
-@pytest.mark.parametrize("K", [2, 3])
-@pytest.mark.parametrize("compression, fragments", CASES, ids=[f"{c}-{f}" for c, f in CASES])
+@pytest.mark.parametrize(
+    "K, compression, fragments", SIMULATED, ids=[f"{c}-{f}-{K}" for K, c, f in SIMULATED]
+)
 def test_simulation_at_the_defaults(tmp_path, K, compression, fragments):
     code = muloco_main(["train", QS, *overrides(K, compression, fragments, tmp_path), "run.name=sim"])
     assert code == 0
