@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interrupts import interrupted_and_resumed
 from test_helpers import hand_inner_steps, params_of
 
 from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
@@ -255,29 +256,8 @@ def test_a_signal_stops_after_the_current_inner_step_and_resume_is_exact(tiny):
     """SIGINT in the middle of replica 1's round: it finishes that one inner step, replica 2 does not
     start, the checkpoint holds each replica's own step, and the resumed run equals the uninterrupted one."""
     overrides = [*tiny, *INTERRUPTIBLE, "inner.optimizer=adamw"]
-    full = Trainer(load_config(None, [*overrides, "run.name=full"]))
-    full.run()
-
-    cut = Trainer(load_config(None, [*overrides, "run.name=cut"]))
-    replica = cut.replicas[1]
-    original_step = replica.train_step
-
-    def step_then_signal(*args, **kwargs):
-        loss = original_step(*args, **kwargs)
-        if replica.inner_steps == 7:  # the second round's second step is under way
-            signal.raise_signal(signal.SIGINT)  # run() installed the trainer's handler
-        return loss
-
-    replica.train_step = step_then_signal
-    summary = cut.run()
-    assert summary["status"] == "interrupted"
-    state = load_checkpoint(list_checkpoints(cut.checkpoint_dir)[-1])
+    state, _ = interrupted_and_resumed(overrides, replica=1, after_step=7)  # the second round's second step
     assert [r["inner_steps"] for r in state["replicas"]] == [12, 8, 6] and state["progress"]["steps"] == 6
-
-    resumed = Trainer(load_config(None, [*overrides, "run.name=cut"]))
-    assert resumed.run()["status"] == "completed"
-    for a, b in zip(full.engine.outer.params, resumed.engine.outer.params, strict=True):
-        assert torch.equal(a, b)
 
 
 # -- non-finite guards ----------------------------------------------------------------------------------
