@@ -191,11 +191,15 @@ class Config(Section):
                 "compression.scheme=none"
             )
         if self.diagnostics.alignment and (
-            self.method == "dp" or self.backend.kind != "local" or self.sync.streaming
+            self.method == "dp"
+            or self.backend.kind != "local"
+            or self.sync.streaming
+            or self.sync.mode == "async"
         ):
             raise ValueError(
-                "diagnostics.alignment needs method: diloco on backend.kind=local without streaming "
-                "(sync.fragments=1, sync.overlap=0, sync.alpha=0); set diagnostics.alignment=false"
+                "diagnostics.alignment needs method: diloco on backend.kind=local, synchronous, without "
+                "streaming (sync.mode=sync, sync.fragments=1, sync.overlap=0, sync.alpha=0); set "
+                "diagnostics.alignment=false"
             )
         if self.data.source == "tokens" and self.data.path is None:
             raise ValueError(

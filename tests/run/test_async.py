@@ -99,6 +99,7 @@ def test_an_async_run_interrupted_resumes_exactly(tiny):
         (["sync.fragments=2"], "use one fragment without overlap"),
         (["sync.aggregate=median"], "there is no mean to aggregate"),
         (["sync.momentum_every=0"], "momentum_every"),
+        (["diagnostics.alignment=true"], "diagnostics.alignment needs"),
     ],
 )
 def test_bad_async_settings_are_refused_in_one_line(tiny, overrides, message):
