@@ -668,6 +668,8 @@ def summarize_curve(curve: dict) -> dict:
             {
                 "steps": r["summary"]["inner_steps"],
                 "final_val_loss": r["summary"]["final_val_loss"],
+                "bytes_sent_per_worker": r["summary"].get("bytes_sent_per_worker"),
+                "syncs": r["summary"].get("fragment_syncs"),
                 "evals": r["evals"],
             }
             for r in curve["runs"]
