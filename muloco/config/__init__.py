@@ -1,7 +1,8 @@
 """The config schema: the single source of truth for every option (docs/design.md, "Config keys").
 
-- `sections.py`: the training sections (run, model with `MODEL_PRESETS`, data, train, sync, compression)
-  and `Section`, their base (unknown keys are errors); `optimizers.py`: inner (with its AdamW), outer, dp.
+- `sections.py`: the training sections (run, model with `MODEL_PRESETS`, data, train) and `Section`, their
+  base (unknown keys are errors); `exchange.py`: sync and compression; `optimizers.py`: inner (with its
+  AdamW), outer, dp.
 - `bits.py`: the allowed bit widths, which the compressors import from here.
 - `runtime.py`: backends (local, torch, hivemind: the swarm's only schema, torchft), simulation,
   diagnostics, logging, checkpoint.
@@ -16,6 +17,7 @@ The schema imports nothing of the packages it configures: it is the bottom of th
 docs/configuration.md is generated from these classes by scripts/gen_config_docs.py.
 """
 
+from muloco.config.exchange import CompressionConfig, SyncConfig
 from muloco.config.loading import (
     _did_you_mean,
     apply_overrides,
@@ -43,12 +45,10 @@ from muloco.config.runtime import (
 from muloco.config.schema import Config
 from muloco.config.sections import (
     MODEL_PRESETS,
-    CompressionConfig,
     DataConfig,
     ModelConfig,
     RunConfig,
     Section,
-    SyncConfig,
     TrainConfig,
 )
 from muloco.errors import ConfigError

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
+from muloco.config.exchange import CompressionConfig, SyncConfig
 from muloco.config.optimizers import DpConfig, InnerConfig, OuterConfig
 from muloco.config.runtime import (
     BackendConfig,
@@ -18,12 +19,10 @@ from muloco.config.runtime import (
     SimulationConfig,
 )
 from muloco.config.sections import (
-    CompressionConfig,
     DataConfig,
     ModelConfig,
     RunConfig,
     Section,
-    SyncConfig,
     TrainConfig,
 )
 
