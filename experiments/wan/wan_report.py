@@ -17,7 +17,7 @@ from pathlib import Path
 
 from wan_rows import ROWS
 
-from muloco.config.sections import DEFAULT_MEAN_BITS
+from muloco.config.exchange import DEFAULT_MEAN_BITS
 from muloco.net.wan import Link, Workload, pro_rata, reduce_scatter_shares, sync_round_trips, wall_clock
 
 WORKERS = 4
