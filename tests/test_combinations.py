@@ -50,7 +50,8 @@ FRAGMENTS = {
     "eager": ["sync.overlap=3", "sync.eager=true"],
     # workers of different speeds (run/pacing.py): speeds 1, 0.5 (, 0.25) emulated, each round paced by them
     "paced": ["sync.pacing=by_speed"],
-    # asynchronous outer updates (run/async_rounds.py, a simulation only): each window applied on arrival
+    # asynchronous outer updates (run/async_rounds.py; over torch a parameter owner on rank 0,
+    # run/async_processes.py): each window applied on arrival
     "async": ["sync.mode=async"],
 }
 SPEEDS = {2: "train.speed=[1.0, 0.5]", 3: "train.speed=[1.0, 0.5, 0.25]"}
@@ -99,8 +100,8 @@ def check_summary(
 
 
 CASES = [(c, f) for c in COMPRESSIONS for f in FRAGMENTS]
-# async trains one window at a time whether or not the replicas step together: not run batched; a
-# simulation only: not run over processes.
+# async trains one window at a time whether or not the replicas step together: not run batched; over
+# processes on torch only (torchft and hivemind refuse it).
 SYNCED = [(c, f) for c, f in CASES if f != "async"]
 # async at K = 3 only: three speeds make every window end at its own time (the suite's time is spent
 # where a case can fail differently).
@@ -161,6 +162,8 @@ def test_every_backend_at_the_defaults(tmp_path, backend, K):
         backend_extra = [*backend_extra, "sync.pacing_speeds=declared"]
     carries = ("window", "eager") if backend in ("torch", "torchft") else ()
     carried = [(c, f) for c, f in SYNCED if f not in ("window", "eager") or f in carries]
+    if backend == "torch":
+        carried += [(c, f) for c, f in CASES if f == "async"]
     cases = [
         {
             "name": f"{c}-{f}",
@@ -228,7 +231,8 @@ def test_workers_of_two_ranks_at_the_defaults(tmp_path, backend, nproc, K):
         (["backend.kind=hivemind", "sync.overlap=2", "sync.eager=true"], "sync.eager"),
         (["sync.eager=true"], "sync.eager"),
         (["sync.pacing=by_speed", "sync.overlap=1"], "sync.pacing=by_speed"),
-        (["sync.mode=async", "backend.kind=torch"], "sync.mode=async"),
+        (["sync.mode=async", "backend.kind=torchft"], "sync.mode=async"),
+        (["sync.mode=async", "backend.kind=torch", "checkpoint.every=1"], "checkpoint.every=0"),
         (["sync.mode=async", "sync.fragments=2"], "sync.mode=async"),
         (
             ["sharding=fsdp", "ranks_per_worker=2", "backend.kind=torch", "train.micro_batch_tokens=32"]

@@ -102,8 +102,8 @@ class SyncConfig(Section):
         description="sync: every round ends in a sync of all the workers (a barrier); async: each worker's "
         "pseudogradient is applied to the global parameters when it arrives, by delayed Nesterov (Liu et "
         "al. 2024, arXiv 2401.09135), and the worker goes on from the new ones at once. async runs in a "
-        "simulation (backend.kind: local) with one fragment, no overlap and the plain mean "
-        "(docs/heterogeneous.md).",
+        "simulation (backend.kind: local) or over torch.distributed (one worker a process, the global "
+        "parameters on rank 0), with one fragment, no overlap and the plain mean (docs/heterogeneous.md).",
     )
     momentum_every: int | None = Field(
         None,

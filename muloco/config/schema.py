@@ -222,13 +222,32 @@ class Config(Section):
                 f"backend.kind={self.backend.kind} has no collective for: set sync.pacing_speeds=declared "
                 "and each worker's speed in train.speed"
             )
-        if self.sync.mode == "async" and (self.backend.kind != "local" or self.method == "dp"):
-            raise ValueError(
-                f"sync.mode=async runs DiLoCo in a simulation (backend.kind=local) so far; with "
-                f"method={self.method}, backend.kind={self.backend.kind} use sync.mode=sync"
-            )
+        if self.sync.mode == "async":
+            self._check_async()
         if self.method == "dp" and self.worker_speeds != [1.0] * self.workers:
             raise ValueError("train.speed emulates slower DiLoCo workers; with method: dp leave it at 1.0")
+
+    def _check_async(self) -> None:
+        """Asynchronous outer updates: DiLoCo in a simulation, or over torch.distributed with a parameter
+        owner on rank 0 (run/async_processes.py), one worker a process; checkpoints there only at the end
+        and on a signal, when every window has arrived."""
+        if self.backend.kind not in ("local", "torch") or self.method == "dp":
+            raise ValueError(
+                f"sync.mode=async runs DiLoCo on backend.kind=local or torch so far; with "
+                f"method={self.method}, backend.kind={self.backend.kind} use sync.mode=sync"
+            )
+        if self.backend.kind != "torch":
+            return
+        if self.ranks_per_worker != 1 or self.checkpoint.every != 0:
+            raise ValueError(
+                "sync.mode=async over backend.kind=torch runs one worker a process and writes its checkpoint "
+                "at the end and on a signal: set ranks_per_worker=1 and checkpoint.every=0"
+            )
+        if self.sync.pacing == "by_speed" and self.sync.pacing_speeds == "measured":
+            raise ValueError(
+                "sync.pacing_speeds=measured exchanges step times at each round's barrier, which "
+                "sync.mode=async has none of: set sync.pacing_speeds=declared and train.speed"
+            )
 
     @property
     def worker_speeds(self) -> list[float]:

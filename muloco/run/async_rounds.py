@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +31,10 @@ import torch
 
 from muloco.compress import ErrorFeedback
 from muloco.config import Config
+from muloco.run.async_processes import AsyncProcesses, async_processes
 from muloco.sync import SumCount, SyncRecord
+from muloco.sync.arrivals import Arrivals, outer_book
 from muloco.sync.counters import CommLedger, Component, Progress
-from muloco.sync.delayed_nesterov import DelayedNesterov
 from muloco.sync.gather import global_norm
 from muloco.sync.guard import BadSyncGuard
 from muloco.sync.messages import build_codecs
@@ -50,9 +51,6 @@ class AsyncRounds(Component):
     buffers (state_dict). A checkpoint falls between arrivals."""
 
     now: float = 0.0  # the virtual clock, in steps of a speed-1 worker
-    arrivals: int = 0
-    claimed: int = 0  # worker steps handed to windows (the budget: K x total_steps)
-    credited: int = 0  # worker steps whose pseudogradients arrived
     window_steps: list[int] = field(default_factory=list)
     pulled_t: list[float] = field(default_factory=list)
     pulled_at: list[int] = field(default_factory=list)  # arrivals applied when the worker pulled
@@ -60,17 +58,14 @@ class AsyncRounds(Component):
     compute_s: float = 0.0  # measured, over `computed` steps: the clock's seconds per step
     computed: int = 0
     replicas: list = _wiring()
-    params: list[torch.Tensor] = _wiring()  # the global parameters (the engine's), updated in place
+    book: Arrivals = _wiring()  # the global parameters, the budget, the outer rule (sync/arrivals.py)
     speeds: list[float] = _wiring()
-    window: Callable[[int], int] = _wiring()  # worker -> its window's steps (H, or DyLU's H_w)
     lr_multiplier: Callable[[int], float] = _wiring()
     train_step: Callable[[Any, float], float] = _wiring()  # (replica, lr) -> its loss
     progress: Progress = _wiring()
     ledger: CommLedger = _wiring()
     guard: BadSyncGuard = _wiring()  # train.max_bad_syncs windows in a row left out stop the run
     total_steps: int = _wiring(0)
-    codec: Any = _wiring()
-    outer: DelayedNesterov = _wiring()
     feedback: list = _wiring()
     bases: list = field(default_factory=list)  # each worker's pulled global parameters (fp32)
 
@@ -79,8 +74,16 @@ class AsyncRounds(Component):
         return len(self.replicas)
 
     @property
-    def budget(self) -> int:
-        return self.workers * self.total_steps
+    def params(self) -> list[torch.Tensor]:
+        return self.book.params
+
+    @property
+    def arrivals(self) -> int:
+        return self.book.arrivals
+
+    @property
+    def credited(self) -> int:
+        return self.book.credited
 
     def arrive_next(self) -> SyncRecord | None:
         """The next window to end: trained, its pseudogradient applied, the worker's next window pulled.
@@ -106,14 +109,12 @@ class AsyncRounds(Component):
         delta = replica.pseudogradient(self.bases[w])
         replica.deactivate()
         norm = global_norm(delta)
-        update_norm, payload = None, 0.0
-        if math.isfinite(norm) and math.isfinite(sum(losses)):
-            if self.codec is not None:
-                message = self.codec.encode(delta, self.feedback[w])
-                payload, delta = float(len(message)), self.codec.decode(message, self.params)
-            else:
-                payload = 4.0 * sum(p.numel() for p in self.params)
-            update_norm = self.outer.arrive([d.to(p.device) for d, p in zip(delta, self.params, strict=True)])
+        staleness = self.arrivals - self.pulled_at[w]
+        finite = math.isfinite(norm) and math.isfinite(sum(losses))
+        codec = self.book.codec
+        message = (codec.encode(delta, self.feedback[w]) if codec is not None else delta) if finite else None
+        update_norm, payload = self.book.apply(steps, message)
+        if update_norm is not None:
             self.ledger.bytes_sent += payload / self.workers
             self.ledger.rank_bytes_sent += payload / self.workers
             self.ledger.peak_bytes_per_sync = max(self.ledger.peak_bytes_per_sync, payload)
@@ -125,9 +126,6 @@ class AsyncRounds(Component):
         self.guard.record(
             0 if update_norm is not None else 1, f"worker {w}'s window at step {self.progress.steps}"
         )
-        staleness = self.arrivals - self.pulled_at[w]
-        self.arrivals += 1
-        self.credited += steps
         self._advance_progress()
         started = self._schedule_step(self.pulled_t[w])
         self._pull(w)
@@ -146,6 +144,17 @@ class AsyncRounds(Component):
         return SyncRecord(
             0, started, self.progress.steps, self.progress.outer_steps, fields, loss, SumCount(norm, 1)
         )
+
+    def next_records(self) -> Iterator[SyncRecord]:
+        """The next window to end, applied (none once every window has arrived)."""
+        record = self.arrive_next()
+        if record is not None:
+            yield record
+
+    def eval_params(self) -> list[torch.Tensor]:
+        return self.params
+
+    evaluates_mid_run = True
 
     @property
     def virtual_s(self) -> float:
@@ -173,8 +182,7 @@ class AsyncRounds(Component):
 
     def _pull(self, w: int) -> None:
         """Worker w takes the global parameters and its next window (cut to the steps the budget has left)."""
-        steps = min(self.window(w), self.budget - self.claimed)
-        self.claimed += steps
+        steps = self.book.claim(w)
         self.replicas[w].load_global(self.params)
         for base, p in zip(self.bases[w], self.params, strict=True):
             base.copy_(p)
@@ -189,40 +197,39 @@ class AsyncRounds(Component):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state["outer"] = self.outer.state_dict()
+        state["book"] = self.book.state_dict()
         state["feedback"] = [f.state_dict() if f is not None else None for f in self.feedback]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        self.outer.load_state_dict(state.pop("outer"))
+        self.book.load_state_dict(state.pop("book"))
         for f, saved in zip(self.feedback, state.pop("feedback"), strict=True):
             if f is not None:
                 f.load_state_dict(saved)
         super().load_state_dict(state)
 
 
-def async_rounds(cfg: Config, trainer: Any) -> AsyncRounds | None:
+def async_rounds(cfg: Config, trainer: Any) -> AsyncRounds | AsyncProcesses | None:
     """sync.mode: async's event loop over the trainer's replicas and global parameters (None: sync)."""
     if cfg.sync.mode != "async":
         return None
-    K, c, t = cfg.workers, cfg.compression, cfg.train
+    if trainer.backend.world_size > 1:
+        return async_processes(cfg, trainer)  # one worker a process, the parameter owner on rank 0
+    c, t = cfg.compression, cfg.train
     params = trainer.engine.global_params
     codecs = build_codecs(trainer.replicas[0].model, [list(range(len(params)))], c)
     with_ef = bool(codecs) and c.error_feedback
     shape = (trainer.micro_batches, trainer.seqs_per_micro)
     return AsyncRounds(
         replicas=trainer.replicas,
-        params=params,
+        book=outer_book(cfg, params, codecs[0] if codecs else None, trainer.pacing, trainer.total_steps),
         speeds=cfg.worker_speeds,
-        window=lambda w: trainer.pacing.steps_in_round(w, cfg.sync.every),
         lr_multiplier=trainer._lr_multiplier,
         train_step=lambda replica, lr: replica.train_step(*shape, lr, t.grad_clip, trainer.autocast),
         progress=trainer.progress,
         ledger=trainer.ledger,
         guard=trainer.engine.guard,
         total_steps=trainer.total_steps,
-        codec=codecs[0] if codecs else None,
-        outer=DelayedNesterov(params, cfg.outer.lr, cfg.outer.momentum, cfg.sync.momentum_every or K),
         feedback=[ErrorFeedback(c.ef_decay, c.ef_alpha) if with_ef else None for _ in trainer.replicas],
     )

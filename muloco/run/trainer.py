@@ -23,6 +23,7 @@ from torch.profiler import record_function
 
 from muloco.allocator import keep_freed_memory
 from muloco.comm import Backend, build_backend
+from muloco.comm.local import LocalBackend
 from muloco.comm.topology import build_topology
 from muloco.config import Config
 from muloco.data import ReplicaStream, load_data, val_batches
@@ -172,7 +173,10 @@ class Trainer:
         where = (self.run_dir / "metrics.jsonl", self.total_steps, cfg.logging.progress, wandb_run)
         metrics = MetricsLogger(*where, resume_step, self.is_main)
         timing = (self.tokens_at, self.total_steps, progress.elapsed_s)
-        self.log = RunLog(metrics, self.backend, self.ledger, *timing)
+        # Asynchronous over processes: rank 0 logs every worker's arrival itself, no means to take.
+        self.log = RunLog(
+            metrics, LocalBackend() if self._async_processes else self.backend, self.ledger, *timing
+        )
         status = "failed"
         self.stop.install()
         try:
@@ -184,11 +188,12 @@ class Trainer:
             next_ckpt = _next_multiple(progress.outer_steps, cfg.checkpoint.every)
             # The ranks agree on stopping once per H inner steps (dp: once per log line; signals.py).
             period = cfg.train.log_every if self.dp is not None else cfg.sync.every
-            while progress.steps < self.total_steps and not self.stop.agreed_at(progress.steps, period):
+            while self._goes_on(period):
                 t0 = time.perf_counter()
                 self.run_round()
                 progress.train_s += time.perf_counter() - t0
-                if progress.steps >= next_eval and progress.steps < self.total_steps:
+                mid_run = progress.steps < self.total_steps and self._evaluates_mid_run
+                if progress.steps >= next_eval and mid_run:
                     self.evaluate()
                     next_eval = _next_multiple(progress.steps, cfg.train.eval_every)
                 done = progress.steps if self.dp is not None else progress.outer_steps
@@ -225,9 +230,8 @@ class Trainer:
         if self.dp is not None:
             self._dp_step()
             return
-        if self.async_rounds is not None:  # no barrier: the next worker's window to end, applied
-            record = self.async_rounds.arrive_next()
-            if record is not None:
+        if self.async_rounds is not None:  # no barrier: the next window to end (processes: ours), applied
+            for record in self.async_rounds.next_records():
                 self.log.sync(record)
             self.clock.virtual_s = self.async_rounds.virtual_s
             return
@@ -291,6 +295,21 @@ class Trainer:
             self.log.train(progress.steps, loss_sum_count)
 
     # -- helpers of the loop --------------------------------------------------------------------------
+    def _goes_on(self, period: int) -> bool:
+        """Whether the loop runs another round. Asynchronous over processes: until this worker is done
+        (a signal reaches the parameter owner with its next window; param_owner.py), no agreement."""
+        if self._async_processes:
+            return not self.async_rounds.finished
+        return self.progress.steps < self.total_steps and not self.stop.agreed_at(self.progress.steps, period)
+
+    @property
+    def _async_processes(self) -> bool:
+        return self.async_rounds is not None and self.backend.world_size > 1
+
+    @property
+    def _evaluates_mid_run(self) -> bool:
+        return self.async_rounds is None or self.async_rounds.evaluates_mid_run
+
     def tokens_at(self, step: int) -> int:
         """Tokens all workers trained up to inner step `step` (pacing by speed: each its share)."""
         if self.async_rounds is not None:  # the windows arrived so far
@@ -306,8 +325,11 @@ class Trainer:
     def evaluate(self) -> float:
         """Val loss of the global parameters (evaluate.py)."""
         # Streaming: the replicas hold fragments at different rounds, so the global parameters are evaluated.
-        streaming = self.engine is not None and (self.cfg.sync.streaming or self.async_rounds is not None)
-        global_params = self.engine.global_params if streaming else None
+        global_params = (
+            self.engine.global_params if self.engine is not None and self.cfg.sync.streaming else None
+        )
+        if self.async_rounds is not None:  # rank 0 over processes: a copy (its owner's thread updates them)
+            global_params = self.async_rounds.eval_params()
         val_loss = evaluate_global(self.replicas[0], global_params, self.val_set, self.device, self.autocast)
         self.progress.val_losses.append([self.progress.steps, val_loss])
         # train_s: the clock of a time-to-loss without the evaluations (experiments/wan/bench_wan.py)

@@ -88,14 +88,16 @@ def test_an_async_run_interrupted_resumes_exactly(tiny):
     overrides += ["compression.error_feedback=true", "checkpoint.every=1"]
     # Inside the slow worker's first window: the window finishes, is applied, then the run stops.
     state, _ = interrupted_and_resumed(overrides, replica=1, after_step=1)
-    assert state["async"]["arrivals"] == 3  # w0, w0, then w1's window that the signal fell in
+    assert state["async"]["book"]["arrivals"] == 3  # w0, w0, then w1's window that the signal fell in
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["backend.kind=torch"], "sync.mode=async runs DiLoCo in a simulation"),
-        (["method=dp"], "sync.mode=async runs DiLoCo in a simulation"),
+        (["backend.kind=torchft"], "sync.mode=async runs DiLoCo on backend.kind=local or torch"),
+        (["method=dp"], "sync.mode=async runs DiLoCo on backend.kind=local or torch"),
+        (["backend.kind=torch", "checkpoint.every=2"], "checkpoint.every=0"),
+        (["backend.kind=torch", "sync.pacing=by_speed"], "sync.pacing_speeds=declared"),
         (["sync.fragments=2"], "use one fragment without overlap"),
         (["sync.aggregate=median"], "there is no mean to aggregate"),
         (["sync.momentum_every=0"], "momentum_every"),
