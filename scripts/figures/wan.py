@@ -285,21 +285,20 @@ def ddp_check(source: str, ratio: float, field: str, fmt: str) -> Figure:
     return Figure(source, render)
 
 
-def overlap_figures() -> dict[str, Figure]:
+def link_figures(prefix: str, sources: dict[float, str], rows: tuple) -> dict[str, Figure]:
+    """Per ratio and row of `sources` (one bench_wan JSON a ratio): the cells of link_table."""
+    first = sources[next(iter(sources))]
     figures = {
-        "wan59.repeats": wan_repeats(OVERLAP),
-        "wan59.compute_ms": Figure(OVERLAP, lambda d: f"{1000 * d['compute_s_per_ddp_step']:.1f} ms"),
+        f"{prefix}.repeats": wan_repeats(first),
+        f"{prefix}.compute_ms": Figure(first, lambda d: f"{1000 * d['compute_s_per_ddp_step']:.1f} ms"),
     }
-    for ratio, source in OVERLAP_SOURCES.items():
-        r = f"wan59.r{ratio:g}"
+    for ratio, source in sources.items():
+        r = f"{prefix}.r{ratio:g}"
         figures |= {
             f"{r}.link": wan_link(source, ratio, "label", "{}"),
             f"{r}.ddp.ratio_measured": wan_median(source, "ddp", ratio, "ratio_measured", "{:.1f}"),
-            f"{r}.check.kind": ddp_check(source, ratio, "kind", "{}"),
-            f"{r}.check.measured_s": ddp_check(source, ratio, "measured_s", "{:,.0f} s"),
-            f"{r}.check.ratio": ddp_check(source, ratio, "extrapolated_over_measured", "{:.3f}"),
         }
-        for key in OVERLAP_ROWS:
+        for key in rows:
             for cell, field, fmt, scale in OVERLAP_CELLS:
                 # the wait is measured whether or not a row reaches DDP's loss
                 spread = wan_spread if cell == "wait" else spread_or_missed
@@ -311,7 +310,37 @@ def overlap_figures() -> dict[str, Figure]:
     return figures
 
 
+def overlap_figures() -> dict[str, Figure]:
+    figures = link_figures("wan59", OVERLAP_SOURCES, OVERLAP_ROWS)
+    for ratio, source in OVERLAP_SOURCES.items():
+        r = f"wan59.r{ratio:g}"
+        figures |= {
+            f"{r}.check.kind": ddp_check(source, ratio, "kind", "{}"),
+            f"{r}.check.measured_s": ddp_check(source, ratio, "measured_s", "{:,.0f} s"),
+            f"{r}.check.ratio": ddp_check(source, ratio, "extrapolated_over_measured", "{:.3f}"),
+        }
+    return figures
+
+
 FIGURES.update(overlap_figures())
+
+
+def link_table(prefix: str, sources: dict[float, str], rows: tuple, labels: dict[str, str]) -> str:
+    """A docs table of link_figures' cells, every ratio, marked (docs_figures.py --write fills it)."""
+    lines = [
+        "| ratio | method | to DDP's loss, s | vs DDP | vs best DDP | network wait | wall / own compute "
+        "| inner steps | val loss, DDP's tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for ratio in sources:
+        for key in rows:
+            names = [cell for cell, *_ in OVERLAP_CELLS] + ["val_equal_tokens"]
+            cells = [f"<!-- fig {prefix}.r{ratio:g}.{key}.{cell} -->?<!-- /fig -->" for cell in names]
+            window = " (window)" if key in PER_STEP else ""
+            lines.append(
+                f"| {ratio:g} | {labels[key]} | {cells[0]}{window} | " + " | ".join(cells[1:]) + " |"
+            )
+    return "\n".join(lines)
 
 
 def overlap_table() -> str:
@@ -321,20 +350,7 @@ def overlap_table() -> str:
         "muloco_4bit_window": "MuLoCo 4-bit, whole window overlapped",
         "muloco_4bit_eager": "MuLoCo 4-bit, whole window, eager",
     }
-    lines = [
-        "| ratio | method | to DDP's loss, s | vs DDP | vs best DDP | network wait | wall / own compute "
-        "| inner steps | val loss, DDP's tokens |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for ratio in OVERLAP_SOURCES:
-        for key in OVERLAP_ROWS:
-            names = [cell for cell, *_ in OVERLAP_CELLS] + ["val_equal_tokens"]
-            cells = [f"<!-- fig wan59.r{ratio:g}.{key}.{cell} -->?<!-- /fig -->" for cell in names]
-            window = " (window)" if key in PER_STEP else ""
-            lines.append(
-                f"| {ratio:g} | {labels[key]} | {cells[0]}{window} | " + " | ".join(cells[1:]) + " |"
-            )
-    return "\n".join(lines)
+    return link_table("wan59", OVERLAP_SOURCES, OVERLAP_ROWS, labels)
 
 
 if __name__ == "__main__":
