@@ -5,6 +5,7 @@ import io
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -272,3 +273,41 @@ def combo_run_dirs(backend: str, name: str, tmp_path: Path, K: int) -> list[Path
         return [tmp_path / name]  # one run directory for the world (rank 0 writes summary.json)
     suffix = "peer" if backend == "hivemind" else "worker"
     return [tmp_path / f"{name}-{suffix}{r}" for r in range(K)]
+
+
+def launch_and_interrupt(*args, after_s: float = 1.0, timeout: float = 120) -> tuple[int, str]:
+    """`muloco launch ARGS` (with logging.progress=lines), SIGINT `after_s` after rank 0's first eval line
+    (training has started); its exit code and stderr. The launcher is killed at the latest on leaving."""
+    launcher = start_muloco("launch", *args)
+    try:
+        line = launcher.stdout.readline()
+        assert line.startswith("[rank 0] kind=eval"), line
+        time.sleep(after_s)
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=timeout)
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+    return launcher.returncode, err
+
+
+class DelayedNesterovByHand:
+    """Liu et al. 2024's Algorithm 3 (arXiv 2401.09135; c = 0) written out over fp32 tensors: every arrival
+    theta -= lr g / N; every N-th also m <- beta m + (the last N arrivals' sum) / N and theta -= lr beta m."""
+
+    def __init__(self, theta: list[torch.Tensor], lr: float, beta: float, every: int) -> None:
+        self.theta, self.lr, self.beta, self.every = theta, lr, beta, every
+        self.m = [torch.zeros_like(p) for p in theta]
+        self.window_sum = [torch.zeros_like(p) for p in theta]
+        self.arrivals = 0
+
+    def arrive(self, g: list[torch.Tensor]) -> None:
+        self.arrivals += 1
+        folds = self.arrivals % self.every == 0
+        for i, gi in enumerate(g):
+            self.window_sum[i] += gi
+            if folds:
+                self.m[i] = self.beta * self.m[i] + self.window_sum[i] / self.every
+            self.theta[i] -= self.lr * (gi / self.every + (self.beta * self.m[i] if folds else 0))
+        if folds:
+            self.window_sum = [torch.zeros_like(p) for p in self.theta]

@@ -14,6 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
+
+from muloco.comm import Backend
 from muloco.config import Config
 from muloco.errors import UserError
 from muloco.sync.counters import Component
@@ -161,3 +164,23 @@ class SpeedClock(Component):
 
     def summary(self) -> dict[str, Any]:
         return {"virtual_time_s": round(self.virtual_s, 3)} if self.simulated else {}
+
+
+def round_step_times(replicas: list, workers: int, is_lead: bool) -> tuple[tuple[float, int], ...]:
+    """(seconds, inner steps) of each of the K workers this round: this process's replicas', zeros for the
+    others' (the log's means over the processes fill them in). A worker of R ranks is counted once."""
+    times = [(0.0, 0)] * workers
+    if is_lead:
+        for replica in replicas:
+            times[replica.index] = (replica.round_s, replica.round_steps)
+    return tuple(times)
+
+
+def all_step_times(backend: Backend, step_times: tuple[tuple[float, int], ...]) -> list[tuple[float, int]]:
+    """Every worker's (seconds, inner steps) this round, from every process (a small all-reduce that waits:
+    the next round's pacing needs them)."""
+    if backend.world_size == 1:
+        return list(step_times)
+    local = torch.tensor(step_times, dtype=torch.float64)  # zeros for the other processes' workers
+    total = backend.all_reduce_sum([local]).wait()[0]
+    return [(seconds, round(steps)) for seconds, steps in total.tolist()]

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.profiler import record_function
 
 from muloco.allocator import keep_freed_memory
@@ -44,7 +43,7 @@ from muloco.run.inner_steps import InnerSteps
 from muloco.run.lr_schedule import lr_multiplier
 from muloco.run.metrics import MetricsLogger, finish_wandb, log_run_start, run_start_fields, start_wandb
 from muloco.run.offload import ReplicaOffload, offload_applies
-from muloco.run.pacing import SpeedClock, worker_pacing
+from muloco.run.pacing import SpeedClock, all_step_times, round_step_times, worker_pacing
 from muloco.run.resume import check_same_config
 from muloco.run.run_dir import (
     prepare_run_dir,
@@ -256,29 +255,12 @@ class Trainer:
 
         # 2. The sync event: the syncs due applied, the fragments scheduled started (engine.round). The
         #    first record of the round carries each worker's step time in it.
-        step_times = self._step_times()
-        self.pacing.close_round(end, self._all_step_times(step_times) if self.pacing.measured else [])
+        step_times = round_step_times(self.replicas, self.cfg.workers, self.topology.is_lead)
+        measured = all_step_times(self.backend, step_times) if self.pacing.measured else []
+        self.pacing.close_round(end, measured)
         for record in self.engine.round(end, self.replicas, round_loss=self._round_loss):
             self.log.sync(record, step_times)
             step_times = ()
-
-    def _step_times(self) -> tuple[tuple[float, int], ...]:
-        """(seconds, inner steps) of each of the K workers this round: this process's replicas', zeros for
-        the others' (the log's means over the processes fill them in)."""
-        times = [(0.0, 0)] * self.cfg.workers
-        if self.topology.is_lead:  # a worker of R ranks is counted once
-            for replica in self.replicas:
-                times[replica.index] = (replica.round_s, replica.round_steps)
-        return tuple(times)
-
-    def _all_step_times(self, step_times: tuple[tuple[float, int], ...]) -> list[tuple[float, int]]:
-        """Every worker's (seconds, inner steps) this round, from every process (a small all-reduce that
-        waits: the next round's pacing needs them)."""
-        if self.backend.world_size == 1:
-            return list(step_times)
-        local = torch.tensor(step_times, dtype=torch.float64)  # zeros for the other processes' workers
-        total = self.backend.all_reduce_sum([local]).wait()[0]
-        return [(seconds, round(steps)) for seconds, steps in total.tolist()]
 
     def _round_loss(self) -> SumCount:
         """The train losses since the last sync started, taken for the next one. With R ranks per worker

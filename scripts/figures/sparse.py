@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 
 from figures import Figure, FigureError
+from figures.wan import LABELS, link_figures, link_table, wan_runs
 
 FRONTIER = "experiments/paper_check/sparse_frontier_results.json"
 CURVES = (
@@ -158,3 +159,39 @@ FIGURES: dict[str, Figure] = {
     "sparse.muon_rule_k8": _against(8, MUON_TOPK3, SPARSELOCO_MUON),
     **_curve_figures(),
 }
+
+
+# -- the sparse row over the headline's links (bench_wan.py, 3 interleaved repeats a ratio) ---------------
+LINKS = {
+    50: "experiments/wan/results/wan_sparse_r50.json",
+    5: "experiments/wan/results/wan_sparse_r5.json",
+}
+LINK_ROWS = ("ddp", "ddp_bf16", "muloco_4bit", "muloco_sparse")
+LINK_LABELS = {**LABELS, "muloco_sparse": "MuLoCo sparse 3.125% 2-bit (SparseLoCo's rule)"}
+
+
+def _over(key: str, other: str, ratio: float, field: str) -> Figure:
+    """`key`'s median `field` at `ratio` over `other`'s (e.g. the sparse row's time over MuLoCo 4-bit's)."""
+
+    def render(data: dict) -> str:
+        mine = statistics.median(r[field] for r in wan_runs(data, key, ratio))
+        theirs = statistics.median(r[field] for r in wan_runs(data, other, ratio))
+        return f"{mine / theirs:.2f}x"
+
+    return Figure(LINKS[ratio], render)
+
+
+FIGURES.update(link_figures("sparse.links", LINKS, LINK_ROWS))
+for _ratio in LINKS:
+    FIGURES[f"sparse.links.r{_ratio:g}.time_vs_4bit"] = _over(
+        "muloco_sparse", "muloco_4bit", _ratio, "s_to_target"
+    )
+
+
+# one loss curve per row serves both ratios: the steps are the same at each
+FIGURES["sparse.links.r50.steps_vs_4bit"] = _over("muloco_sparse", "muloco_4bit", 50, "steps_to_target")
+
+
+def links_table() -> str:
+    """docs/wan.md's table of the sparse row over the links, marked (docs_figures.py --write fills it)."""
+    return link_table("sparse.links", LINKS, LINK_ROWS, LINK_LABELS)

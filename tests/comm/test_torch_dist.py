@@ -4,7 +4,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import psutil
 import pytest
 import torch
 from conftest import TINY
-from test_helpers import launched_ranks, run_combo_ranks, run_muloco, start_muloco
+from test_helpers import launch_and_interrupt, launched_ranks, run_combo_ranks, run_muloco, start_muloco
 
 from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
 from muloco.config import load_config
@@ -321,17 +320,8 @@ def test_launcher_forwards_sigint_and_every_rank_checkpoints(tmp_path, TINY):
         "run.name=run",
         f"run.output_dir={tmp_path}",
     ]
-    launcher = start_muloco("launch", "--nproc", 2, QS, *overrides)
-    try:
-        line = launcher.stdout.readline()  # rank 0's first eval line: training has started
-        assert line.startswith("[rank 0] kind=eval"), line
-        time.sleep(1.0)
-        launcher.send_signal(signal.SIGINT)
-        _, err = launcher.communicate(timeout=60)
-    finally:
-        launcher.kill()
-        launcher.wait(timeout=10)
-    assert launcher.returncode == 130, err[-2000:]
+    code, err = launch_and_interrupt("--nproc", 2, QS, *overrides, timeout=60)
+    assert code == 130, err[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     assert list_checkpoints(tmp_path / "run" / "checkpoints") and list_checkpoints(

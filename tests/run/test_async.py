@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from interrupts import interrupted_and_resumed
+from test_helpers import DelayedNesterovByHand
 
 from muloco.config import load_config
 from muloco.errors import ConfigError
@@ -37,20 +38,12 @@ def delayed_nesterov_by_hand(overrides, lr: float, beta: float, every: int) -> l
     replicas = trainer.replicas
     theta = [p.detach().clone() for p in replicas[0].model.parameters()]
     pulled = [[p.clone() for p in theta] for _ in replicas]
-    m = [torch.zeros_like(p) for p in theta]
-    window_sum = [torch.zeros_like(p) for p in theta]
-    for arrival, w in enumerate(ORDER, start=1):
+    outer = DelayedNesterovByHand(theta, lr, beta, every)
+    for w in ORDER:
         replica = replicas[w]
         for _ in range(2):
             replica.train_step(trainer.micro_batches, trainer.seqs_per_micro, 1.0, 1.0, trainer.autocast)
-        g = [b - p.detach() for b, p in zip(pulled[w], replica.model.parameters(), strict=True)]
-        for i, gi in enumerate(g):
-            window_sum[i] += gi
-            if arrival % every == 0:
-                m[i] = beta * m[i] + window_sum[i] / every
-            theta[i] -= lr * (gi / every + (beta * m[i] if arrival % every == 0 else 0))
-        if arrival % every == 0:
-            window_sum = [torch.zeros_like(p) for p in theta]
+        outer.arrive([b - p.detach() for b, p in zip(pulled[w], replica.model.parameters(), strict=True)])
         pulled[w] = [p.clone() for p in theta]
         with torch.no_grad():
             for q, p in zip(replica.model.parameters(), theta, strict=True):

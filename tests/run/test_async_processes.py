@@ -5,13 +5,11 @@ order the run logged: each worker's window from the global parameters right afte
 window it is in, all of which arrive; the resumed run ends on the budget with no window lost."""
 
 import json
-import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_helpers import run_muloco, start_muloco
+from test_helpers import DelayedNesterovByHand, launch_and_interrupt, run_muloco
 
 from muloco.checkpoint.plain import list_checkpoints, load_checkpoint
 from muloco.compress import CompressionError
@@ -51,16 +49,14 @@ def final_global(run_dir: Path, rank_dir: str = "") -> list[torch.Tensor]:
 def replayed_by_hand(overrides: list[str], syncs: list[dict], every: int) -> list[torch.Tensor]:
     """The windows of `syncs` in their order: worker w's from the global parameters after its previous
     arrival, trained by the replicas of a one-process run of the same config (same init, same data
-    streams); then theta -= lr g / N at every arrival, and every N-th m <- beta m + (their sum) / N,
-    theta -= lr beta m."""
+    streams), each applied by Algorithm 3 worked by hand."""
     lr, beta = 0.7, 0.9
     trainer = Trainer(load_config(QS, [*overrides, "sync.mode=sync", "backend.kind=local"]))
     replicas = trainer.replicas
     theta = [p.detach().clone() for p in replicas[0].model.parameters()]
     pulled = [[p.clone() for p in theta] for _ in replicas]
     last_arrival = [0, 0]
-    m = [torch.zeros_like(p) for p in theta]
-    window_sum = [torch.zeros_like(p) for p in theta]
+    outer = DelayedNesterovByHand(theta, lr, beta, every)
     for arrival, record in enumerate(syncs, start=1):
         w = record["worker"]
         assert record["staleness"] == arrival - 1 - last_arrival[w]  # arrivals since its pull
@@ -71,14 +67,7 @@ def replayed_by_hand(overrides: list[str], syncs: list[dict], every: int) -> lis
                 q.copy_(p)
         for _ in range(record["window_steps"]):
             replica.train_step(trainer.micro_batches, trainer.seqs_per_micro, 1.0, 1.0, trainer.autocast)
-        g = [b - p.detach() for b, p in zip(pulled[w], replica.model.parameters(), strict=True)]
-        for i, gi in enumerate(g):
-            window_sum[i] += gi
-            if arrival % every == 0:
-                m[i] = beta * m[i] + window_sum[i] / every
-            theta[i] -= lr * (gi / every + (beta * m[i] if arrival % every == 0 else 0))
-        if arrival % every == 0:
-            window_sum = [torch.zeros_like(p) for p in theta]
+        outer.arrive([b - p.detach() for b, p in zip(pulled[w], replica.model.parameters(), strict=True)])
         pulled[w] = [p.clone() for p in theta]
     return theta
 
@@ -119,17 +108,8 @@ def test_a_signal_stops_every_worker_after_its_window_and_the_resumed_run_loses_
         f"run.output_dir={tmp_path}",
         "run.name=run",
     ]
-    launcher = start_muloco("launch", "--nproc", 2, QS, "backend.kind=torch", *overrides)
-    try:
-        line = launcher.stdout.readline()  # rank 0's first eval line: training has started
-        assert line.startswith("[rank 0] kind=eval"), line
-        time.sleep(1.0)
-        launcher.send_signal(signal.SIGINT)
-        _, err = launcher.communicate(timeout=120)
-    finally:
-        launcher.kill()
-        launcher.wait(timeout=10)
-    assert launcher.returncode == 130, err[-2000:]
+    code, err = launch_and_interrupt("--nproc", 2, QS, "backend.kind=torch", *overrides)
+    assert code == 130, err[-2000:]
     run_dir = tmp_path / "run"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted"
