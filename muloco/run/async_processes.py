@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from muloco.config import Config
 from muloco.errors import UserError
 from muloco.sync import SumCount, SyncRecord
 from muloco.sync.arrivals import fp32_message, outer_book
-from muloco.sync.counters import Component
+from muloco.sync.counters import Component, wiring
 from muloco.sync.gather import global_norm
 from muloco.sync.messages import build_codecs
 from muloco.sync.param_owner import (
@@ -44,34 +44,30 @@ from muloco.sync.param_owner import (
 )
 
 
-def _wiring(default: Any = None) -> Any:
-    return field(default=default, metadata={"state": False})
-
-
 @dataclass
 class AsyncProcesses(Component):
     """This process's worker (state: its error feedback; rank 0 also the owner's book)."""
 
-    replica: Any = _wiring()
-    base: list[torch.Tensor] = _wiring()  # the global parameters it last pulled (its own copy)
-    global_params: list[torch.Tensor] = _wiring()  # the engine's (rank 0: the owner's)
-    owner: ParameterOwner | None = _wiring()  # rank 0
-    channel: PointToPoint | None = _wiring()  # rank > 0
-    backend: Any = _wiring()
-    codec: Any = _wiring()
-    feedback: ErrorFeedback | None = _wiring()
-    lr_multiplier: Callable[[int], float] = _wiring()
-    train_step: Callable[[Any, float], float] = _wiring()
-    emulate: Callable[[int, float], float] = _wiring()  # train.speed's sleep (pacing.py)
-    progress: Any = _wiring()
-    ledger: Any = _wiring()
-    guard: Any = _wiring()
-    stopping: Callable[[], bool] = _wiring()  # a signal reached this process
-    workers: int = _wiring(0)
-    answer: Answer | None = _wiring()  # the window being trained (None: not pulled yet)
-    finished: bool = _wiring(False)
-    credited: int = _wiring(0)
-    virtual_s: float = _wiring(0.0)  # no virtual clock over processes
+    replica: Any = wiring()
+    base: list[torch.Tensor] = wiring()  # the global parameters it last pulled (its own copy)
+    global_params: list[torch.Tensor] = wiring()  # the engine's (rank 0: the owner's)
+    owner: ParameterOwner | None = wiring()  # rank 0
+    channel: PointToPoint | None = wiring()  # rank > 0
+    backend: Any = wiring()
+    codec: Any = wiring()
+    feedback: ErrorFeedback | None = wiring()
+    lr_multiplier: Callable[[int], float] = wiring()
+    train_step: Callable[[Any, float], float] = wiring()
+    emulate: Callable[[int, float], float] = wiring()  # train.speed's sleep (pacing.py)
+    progress: Any = wiring()
+    ledger: Any = wiring()
+    guard: Any = wiring()
+    stopping: Callable[[], bool] = wiring()  # a signal reached this process
+    workers: int = wiring(0)
+    answer: Answer | None = wiring()  # the window being trained (None: not pulled yet)
+    finished: bool = wiring(False)
+    credited: int = wiring(0)
+    virtual_s: float = wiring(0.0)  # no virtual clock over processes
 
     def next_records(self) -> Iterator[SyncRecord]:
         """Train this worker's window, hand it in, take the next; rank 0: the windows that arrived, each

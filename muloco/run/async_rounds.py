@@ -34,14 +34,10 @@ from muloco.config import Config
 from muloco.run.async_processes import AsyncProcesses, async_processes
 from muloco.sync import SumCount, SyncRecord
 from muloco.sync.arrivals import Arrivals, outer_book
-from muloco.sync.counters import CommLedger, Component, Progress
+from muloco.sync.counters import CommLedger, Component, Progress, wiring
 from muloco.sync.gather import global_norm
 from muloco.sync.guard import BadSyncGuard
 from muloco.sync.messages import build_codecs
-
-
-def _wiring(default: Any = None) -> Any:
-    return field(default=default, metadata={"state": False})
 
 
 @dataclass
@@ -57,16 +53,16 @@ class AsyncRounds(Component):
     ends_at: list[float] = field(default_factory=list)  # math.inf: idle
     compute_s: float = 0.0  # measured, over `computed` steps: the clock's seconds per step
     computed: int = 0
-    replicas: list = _wiring()
-    book: Arrivals = _wiring()  # the global parameters, the budget, the outer rule (sync/arrivals.py)
-    speeds: list[float] = _wiring()
-    lr_multiplier: Callable[[int], float] = _wiring()
-    train_step: Callable[[Any, float], float] = _wiring()  # (replica, lr) -> its loss
-    progress: Progress = _wiring()
-    ledger: CommLedger = _wiring()
-    guard: BadSyncGuard = _wiring()  # train.max_bad_syncs windows in a row left out stop the run
-    total_steps: int = _wiring(0)
-    feedback: list = _wiring()
+    replicas: list = wiring()
+    book: Arrivals = wiring()  # the global parameters, the budget, the outer rule (sync/arrivals.py)
+    speeds: list[float] = wiring()
+    lr_multiplier: Callable[[int], float] = wiring()
+    train_step: Callable[[Any, float], float] = wiring()  # (replica, lr) -> its loss
+    progress: Progress = wiring()
+    ledger: CommLedger = wiring()
+    guard: BadSyncGuard = wiring()  # train.max_bad_syncs windows in a row left out stop the run
+    total_steps: int = wiring(0)
+    feedback: list = wiring()
     bases: list = field(default_factory=list)  # each worker's pulled global parameters (fp32)
 
     @property

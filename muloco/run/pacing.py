@@ -19,7 +19,7 @@ import torch
 from muloco.comm import Backend
 from muloco.config import Config
 from muloco.errors import UserError
-from muloco.sync.counters import Component
+from muloco.sync.counters import Component, wiring
 
 
 def worker_pacing(cfg: Config, processes: int, local_workers: int) -> Pacing:
@@ -45,10 +45,6 @@ def worker_pacing(cfg: Config, processes: int, local_workers: int) -> Pacing:
     )
 
 
-def _wiring(default: Any) -> Any:
-    return field(default=default, metadata={"state": False})
-
-
 @dataclass
 class Pacing(Component):
     """speeds: the relative speeds that size each worker's round (train.speed's, or measured: the previous
@@ -57,12 +53,12 @@ class Pacing(Component):
     added_later: ClassVar[bool] = True  # checkpoints written before it resume without it
     speeds: list[float]
     trained_steps: int = 0  # inner steps all workers took in the rounds done
-    emulated_speeds: list[float] = _wiring(None)  # train.speed: what emulation slows each worker to
-    every: int = _wiring(1)  # H
-    by_speed: bool = _wiring(False)
-    measured: bool = _wiring(False)
-    tolerance: float = _wiring(0.0)  # measured: speeds this close to the fastest's pace as the fastest
-    weight_by_tokens: bool = _wiring(False)
+    emulated_speeds: list[float] = wiring(None)  # train.speed: what emulation slows each worker to
+    every: int = wiring(1)  # H
+    by_speed: bool = wiring(False)
+    measured: bool = wiring(False)
+    tolerance: float = wiring(0.0)  # measured: speeds this close to the fastest's pace as the fastest
+    weight_by_tokens: bool = wiring(False)
 
     def __post_init__(self) -> None:
         if self.emulated_speeds is None:

@@ -11,18 +11,14 @@ left, and a worker handed 0 steps is done.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from muloco.compress import CompressionError
-from muloco.sync.counters import Component
+from muloco.sync.counters import Component, wiring
 from muloco.sync.delayed_nesterov import DelayedNesterov
-
-
-def _wiring(default: Any = None) -> Any:
-    return field(default=default, metadata={"state": False})
 
 
 @dataclass
@@ -30,12 +26,12 @@ class Arrivals(Component):
     arrivals: int = 0  # pseudogradients applied (or left out as non-finite)
     claimed: int = 0  # worker steps handed to windows
     credited: int = 0  # worker steps whose pseudogradients arrived
-    params: list[torch.Tensor] = _wiring()  # the global parameters, updated in place
-    outer: DelayedNesterov = _wiring()
-    codec: Any = _wiring()  # None: fp32 messages
-    window: Callable[[int], int] = _wiring()  # worker -> its window's steps (H, or DyLU's H_w)
-    workers: int = _wiring(0)
-    total_steps: int = _wiring(0)
+    params: list[torch.Tensor] = wiring()  # the global parameters, updated in place
+    outer: DelayedNesterov = wiring()
+    codec: Any = wiring()  # None: fp32 messages
+    window: Callable[[int], int] = wiring()  # worker -> its window's steps (H, or DyLU's H_w)
+    workers: int = wiring(0)
+    total_steps: int = wiring(0)
 
     @property
     def budget(self) -> int:

@@ -39,6 +39,11 @@ class Component:
         return {}
 
 
+def wiring(default: Any = None) -> Any:
+    """A component's field that is wiring (what it works on), not state: left out of its checkpoint."""
+    return field(default=default, metadata={"state": False})
+
+
 def _state_fields(component: Component) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(component) if f.metadata.get("state", True)]
 
