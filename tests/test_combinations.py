@@ -53,6 +53,8 @@ FRAGMENTS = {
     # asynchronous outer updates (run/async_rounds.py; over torch a parameter owner on rank 0,
     # run/async_processes.py): each window applied on arrival
     "async": ["sync.mode=async"],
+    # a deadline for stragglers (sync/deadline.py): hivemind only, at one codec (the suite's time)
+    "deadline": ["sync.deadline=adaptive"],
 }
 SPEEDS = {2: "train.speed=[1.0, 0.5]", 3: "train.speed=[1.0, 0.5, 0.25]"}
 STEPS = 7  # syncs at 3 and 6 (streaming: a fragment's every 1.5 steps), and all at the last step
@@ -69,7 +71,7 @@ def overrides(K: int, compression: str, fragments: str, tmp_path: Path) -> list[
         "train.eval_tokens=256",
         *COMPRESSIONS[compression],
         *FRAGMENTS[fragments],
-        *([SPEEDS[K]] if fragments in ("paced", "async") else []),
+        *([SPEEDS[K]] if fragments in ("paced", "async", "deadline") else []),
         f"run.output_dir={tmp_path}",
     ]
 
@@ -102,10 +104,11 @@ def check_summary(
 CASES = [(c, f) for c in COMPRESSIONS for f in FRAGMENTS]
 # async trains one window at a time whether or not the replicas step together: not run batched; over
 # processes on torch only (torchft and hivemind refuse it).
-SYNCED = [(c, f) for c, f in CASES if f != "async"]
+SYNCED = [(c, f) for c, f in CASES if f not in ("async", "deadline")]
 # async at K = 3 only: three speeds make every window end at its own time (the suite's time is spent
 # where a case can fail differently).
-SIMULATED = [(K, c, f) for K in (2, 3) for c, f in CASES if K == 3 or f != "async"]
+SIMULATED = [(K, c, f) for K in (2, 3) for c, f in SYNCED] + [(3, c, f) for c, f in CASES if f == "async"]
+DEADLINE = [("stat2-ef", "deadline")]  # hivemind's only
 
 
 @pytest.mark.parametrize(
@@ -164,6 +167,8 @@ def test_every_backend_at_the_defaults(tmp_path, backend, K):
     carried = [(c, f) for c, f in SYNCED if f not in ("window", "eager") or f in carries]
     if backend == "torch":
         carried += [(c, f) for c, f in CASES if f == "async"]
+    if backend == "hivemind":
+        carried += DEADLINE
     cases = [
         {
             "name": f"{c}-{f}",
@@ -234,6 +239,8 @@ def test_workers_of_two_ranks_at_the_defaults(tmp_path, backend, nproc, K):
         (["sync.mode=async", "backend.kind=torchft"], "sync.mode=async"),
         (["sync.mode=async", "backend.kind=torch", "checkpoint.every=1"], "checkpoint.every=0"),
         (["sync.mode=async", "sync.fragments=2"], "sync.mode=async"),
+        (["sync.deadline=adaptive"], "sync.deadline=adaptive"),
+        (["sync.deadline=adaptive", "backend.kind=torchft"], "sync.deadline=adaptive"),
         (
             ["sharding=fsdp", "ranks_per_worker=2", "backend.kind=torch", "train.micro_batch_tokens=32"]
             + ["sync.transport=reduce_scatter"],

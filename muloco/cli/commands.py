@@ -45,7 +45,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from muloco.net.launch import launch
     from muloco.optim.check import load_run_config
 
-    cfg = load_run_config(args.config, args.overrides)  # fail here, once, rather than in every rank
+    # Fail here, once, rather than in every rank; checked as the ranks will run it (their backend.kind).
+    cfg = load_run_config(args.config, [*args.overrides, f"backend.kind={args.backend}"])
     return launch(
         args.nproc,
         args.config,

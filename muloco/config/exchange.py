@@ -111,6 +111,22 @@ class SyncConfig(Section):
         description="sync.mode: async: N, the arrivals between two updates of the outer momentum (delayed "
         "Nesterov); default K, so that K arrivals make one Nesterov step on their mean.",
     )
+    deadline: Literal["off", "adaptive"] = Field(
+        "off",
+        description="How long the workers ready for a sync wait for a late one. off: the backend's own wait "
+        "(hivemind: backend.hivemind.matchmaking_time); adaptive: until median + k x MAD of the recent "
+        "round times (k: sync.deadline_mads; at least 20% over the median), then the sync goes on without "
+        "it; its window joins the next sync (a sync later) or is counted lost (more). hivemind only: a "
+        "torch.distributed group is fixed and torchft's lighthouse holds its own wait "
+        "(docs/heterogeneous.md).",
+    )
+    deadline_mads: float = Field(
+        3.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="sync.deadline: adaptive: k, the median absolute deviations of the round times above "
+        "their median that the deadline allows.",
+    )
     trim: int = Field(
         1,
         ge=1,
@@ -157,6 +173,11 @@ class SyncConfig(Section):
             )
         if self.mode == "async":
             self._check_async()
+        if self.deadline == "adaptive" and (self.streaming or self.eager or self.mode == "async"):
+            raise ValueError(
+                "sync.deadline=adaptive bounds the wait at a round's sync of whole windows: use one fragment "
+                "without overlap (sync.fragments=1, sync.overlap=0, sync.alpha=0) and sync.mode=sync"
+            )
         for field in ("embedding_fragment", "head_fragment"):
             value = getattr(self, field)
             if not -P <= value < P:

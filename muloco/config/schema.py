@@ -54,6 +54,20 @@ def fingerprinted(key: str) -> bool:
     return parts[0] not in NOT_FINGERPRINTED_SECTIONS and ".".join(parts[:2]) not in NOT_FINGERPRINTED_KEYS
 
 
+# sync.deadline: adaptive, where it cannot be built (docs/heterogeneous.md, "A deadline for stragglers").
+DEADLINE_REFUSALS = {
+    "torch": "sync.deadline=adaptive goes on without a late worker, but a torch.distributed group is fixed: "
+    "every sync is a collective of all its ranks. Use backend.kind=hivemind, or sync.pacing=by_speed for "
+    "workers that are slower for good",
+    "local": "sync.deadline=adaptive bounds the wait for late processes; a simulation's workers share one "
+    "clock and are never late: use sync.deadline=off (train.speed emulates slower workers)",
+    "torchft": "sync.deadline=adaptive needs the workers to decide when a sync stops waiting, but torchft's "
+    "lighthouse decides when a quorum forms (join_timeout_s, fixed at its start) and a slow worker's torchft "
+    "thread heartbeats on, so the quorum waits that long for it. Use backend.kind=hivemind, or set "
+    "backend.torchft.join_timeout_s",
+}
+
+
 class Config(Section):
     """A whole run. Sections as in docs/design.md."""
 
@@ -130,6 +144,8 @@ class Config(Section):
         if self.sharding == "fsdp":
             self._check_fsdp()
         self._check_speed()
+        if self.sync.deadline == "adaptive" and self.backend.kind != "hivemind":
+            raise ValueError(DEADLINE_REFUSALS.get(self.backend.kind, DEADLINE_REFUSALS["torch"]))
         if self.simulation.batched is True and (self.simulation.offload or self.ranks_per_worker > 1):
             raise ValueError(
                 "simulation.batched=true keeps every replica of a process on the device and steps them "
@@ -231,11 +247,16 @@ class Config(Section):
         """Asynchronous outer updates: DiLoCo in a simulation, or over torch.distributed with a parameter
         owner on rank 0 (run/async_processes.py), one worker a process; checkpoints there only at the end
         and on a signal, when every window has arrived."""
-        if self.backend.kind not in ("local", "torch") or self.method == "dp":
+        if self.backend.kind in ("hivemind", "torchft"):
+            # docs/heterogeneous.md: arrivals are applied one at a time to one copy of the global parameters
             raise ValueError(
-                f"sync.mode=async runs DiLoCo on backend.kind=local or torch so far; with "
-                f"method={self.method}, backend.kind={self.backend.kind} use sync.mode=sync"
+                f"sync.mode=async applies each arrival to one copy of the global parameters, which "
+                f"backend.kind={self.backend.kind} does not have (each worker holds its own and changes it "
+                "only in a sync): use backend.kind=torch (a parameter owner on rank 0), or sync.mode=sync "
+                "with sync.pacing=by_speed or sync.deadline=adaptive"
             )
+        if self.method == "dp":
+            raise ValueError("sync.mode=async runs DiLoCo: with method=dp use sync.mode=sync")
         if self.backend.kind != "torch":
             return
         if self.ranks_per_worker != 1 or self.checkpoint.every != 0:
@@ -379,7 +400,8 @@ class Config(Section):
         if data["train"].get("speed") == 1.0:
             del data["train"]["speed"]
         paced = (("pacing", "fixed"), ("pacing_speeds", "measured"), ("pacing_tolerance", 0.05))
-        later = (("weight_by_tokens", False), ("mode", "sync"), ("momentum_every", None))
+        later = (("weight_by_tokens", False), ("mode", "sync"), ("momentum_every", None), ("deadline", "off"))
+        later += (("deadline_mads", 3.0),)
         for key, default in (*paced, *later):
             if data["sync"].get(key) == default:
                 del data["sync"][key]

@@ -141,7 +141,7 @@ class Trainer:
             "replicas": StateList(self.replicas),
             "rng": RngState(self.device),
             **({"engine": self.engine} if self.engine is not None else {"dp": self.dp}),
-            **({"membership": self.reducer.membership} if hasattr(self.reducer, "membership") else {}),
+            **({"membership": m} if (m := getattr(self.reducer, "membership", None)) is not None else {}),
             **({"async": self.async_rounds} if self.async_rounds is not None else {}),
         }
         # Every component from the checkpoint `checkpoint.resume` names, if any (checkpointing.py).

@@ -18,7 +18,8 @@
 - `elastic.py`: `ElasticReducer`, the reducer over a torchft quorum (`muloco.comm.torchft_group`): a quorum
   per sync, retries, a rejoining worker's live heal (imports torchft lazily).
 - `swarm.py`: `SwarmReducer`, the reducer over a hivemind swarm (`muloco.comm.hivemind.HivemindSwarm`):
-  contributions, joining and catching up through the engine's `SharedState` (imports hivemind lazily).
+  contributions, joining and catching up through the engine's `SharedState` (imports hivemind lazily);
+  with `deadline.py`'s `RoundDeadline` (sync.deadline: adaptive) a late window joins the next sync.
 """
 
 from __future__ import annotations
@@ -35,9 +36,14 @@ def build_reducer(cfg, topology) -> Reducer:
     """The reducer `backend.kind` names: a hivemind swarm, a torchft quorum, else collectives over the
     processes' topology."""
     if cfg.backend.kind == "hivemind":
+        from muloco.sync.deadline import RoundDeadline
         from muloco.sync.swarm import SwarmReducer
 
-        return SwarmReducer(cfg.backend.hivemind, cfg.workers, tolerated(cfg.sync.aggregate, cfg.sync.trim))
+        deadline = RoundDeadline(mads=cfg.sync.deadline_mads) if cfg.sync.deadline == "adaptive" else None
+        tolerate = tolerated(cfg.sync.aggregate, cfg.sync.trim)
+        return SwarmReducer(
+            cfg.backend.hivemind, cfg.workers, tolerate, deadline, cfg.sync.every, cfg.total_steps
+        )
     if cfg.backend.kind == "torchft":
         from muloco.sync.elastic import ElasticReducer
 

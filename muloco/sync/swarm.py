@@ -21,6 +21,7 @@ from muloco.config import HivemindBackendConfig
 from muloco.errors import TrainingError, UserError
 from muloco.net.parent_death import die_with_parent
 from muloco.sync.codec import PseudogradientCodec, unpack
+from muloco.sync.deadline import RoundDeadline
 from muloco.sync.reduce import Contribution, Mean, PendingMean, SharedState
 
 log = logging.getLogger("muloco")
@@ -30,6 +31,7 @@ log = logging.getLogger("muloco")
 REALIGN_WAIT_S = 10.0
 CATCH_UP_WAIT_S = 0.6
 REALIGN_ATTEMPTS = 40
+LATE_POLL_S = 0.25  # sync.deadline: how often a peer without a group looks whether the others went on
 
 
 def _reference(digests: dict[str, bytes], own: bytes) -> tuple[str, bytes] | None:
@@ -42,7 +44,10 @@ def _reference(digests: dict[str, bytes], own: bytes) -> tuple[str, bytes] | Non
         return None  # no digests to compare (or this peer's own is missing: nothing to decide from)
     holders: dict[bytes, list[str]] = {}
     for peer in sorted(digests, key=lambda p: _peer(p).to_bytes()):
-        holders.setdefault(digests[peer], []).append(peer)
+        if digests[peer]:  # an empty digest: a late window's peer (sync.deadline), which takes the group's
+            holders.setdefault(digests[peer], []).append(peer)
+    if not holders:
+        return None
     majority = max(holders.values(), key=len)  # max keeps the first of equals: the lowest first holder
     reference = majority[0]
     return None if digests[reference] == own else (reference, digests[reference])
@@ -84,14 +89,30 @@ class SwarmReducer:
     # times) and one outer state (reduce.py's Reducer).
     whole_window = eager_updates = False
 
-    def __init__(self, section: HivemindBackendConfig, workers: int | None = None, tolerate: int = 0) -> None:
+    def __init__(
+        self,
+        section: HivemindBackendConfig,
+        workers: int | None = None,
+        tolerate: int = 0,
+        deadline: RoundDeadline | None = None,
+        every: int = 0,
+        total_steps: int | None = None,
+    ) -> None:
         """workers: K of `muloco train` (the peer indices' range, the WAN projection); None in the Python
         API, where the swarm's size is whoever is present. tolerate: bad members the run defends against
         (sync.trim with a robust sync.aggregate, else 0): a progress claim or a state counts only when
-        tolerate + 1 peers' records back it, so that many insiders cannot make honest peers reload theirs."""
+        tolerate + 1 peers' records back it, so that many insiders cannot make honest peers reload theirs.
+        deadline: sync.deadline: adaptive (deadline.py), with every = H, the inner steps between syncs, and
+        the run's total_steps (its last sync's step)."""
         self.section, self.workers, self.tolerate = section, workers, tolerate
         self.swarm = None
         self.digest = b""  # this peer's global state digest, announced to its groups and in its progress
+        # sync.deadline: adaptive: the round times and the late and lost windows (summary.json)
+        self.membership, self.every, self.total_steps = deadline, every, total_steps
+        self._round_started: float | None = None  # monotonic: when this peer's round began
+        self._state: SharedState | None = None  # the engine's, and the replicas (join)
+        self._replicas: list = []
+        self._progress = 0  # this peer's fragment syncs when its round began
 
     def local_replicas(self, workers: int) -> list[int]:
         return [peer_index(self.section, workers)]  # one replica per peer: its data shard
@@ -102,8 +123,12 @@ class SwarmReducer:
         # hivemind forks its DHT and averagers: have them die with this process even if it is SIGKILLed.
         os.register_at_fork(after_in_child=die_with_parent)
         compression = [codec.compressors for codec in codecs] if codecs else None
+        section = self.section
+        if self.membership is not None and section.target_group_size is None and self.workers:
+            # A group of every worker begins at once; only a missing one is waited for, until the deadline.
+            section = section.model_copy(update={"target_group_size": self.workers})
         try:
-            self.swarm = HivemindSwarm(self.section, shapes_by_fragment, compression)
+            self.swarm = HivemindSwarm(section, shapes_by_fragment, compression)
         except UserError:
             raise  # a bad key file, a peer list without this peer: already one line naming the field
         except Exception as exc:  # the p2p daemon cannot bind, an initial peer is unreachable, ...
@@ -121,6 +146,8 @@ class SwarmReducer:
             self._load(state, replicas)
         self._serve(state)
         self._wait_for_peers(state.fragment_syncs)
+        self._state, self._replicas = state, replicas  # sync.deadline: a late window's peer takes the state
+        self._begin_round(state)
 
     def _load(
         self,
@@ -130,10 +157,11 @@ class SwarmReducer:
         min_progress: int = 0,
         digests: set[bytes] | None = None,
         timeout: float | None = None,
+        skip_steps: int = 0,
     ) -> bool:
         """Global parameters, outer momentum and step counters from a peer (the one given, else the one
         furthest ahead; one of these digests when given; within timeout, else join_timeout_s); the
-        replicas restart there."""
+        replicas restart there. skip_steps: the step counter set that many steps past the donor's."""
         like, _ = state.export_state()
         donors = None if donor is None else [donor]
         if digests is None and self.tolerate:
@@ -150,6 +178,7 @@ class SwarmReducer:
         if found is None:
             return False
         tensors, meta, source = found
+        meta = {**meta, "step": meta["step"] + skip_steps}
         state.adopt_state(tensors, meta, replicas)
         log.info(
             "hivemind: loaded the state of peer=%s: step=%d outer_steps=%d",
@@ -183,16 +212,136 @@ class SwarmReducer:
         c = contribution
         if c.healthy == 0:
             return PendingMean.completed(Mean(None, 0, left_out=1, details={"group_size": 1}))
-        rule, digest = (c.aggregate, c.trim), self.digest
+        me = str(self.swarm.peer_id)
+        if self.membership is not None:
+            return self._start_with_deadline(c, me)
+        handle = self._average(c, c.step, self.digest)
+        return PendingMean(handle, self._mean_of(c, self.digest, me))
+
+    def _average(self, c: Contribution, step: int, digest: bytes, wait_s: float = 0.0, late: bool = False):
+        rule = (c.aggregate, c.trim)
         if c.codec is None:
-            handle = self.swarm.start_average(c.fragment, c.delta_sum, c.step, rule, digest)
+            return self.swarm.start_average(c.fragment, c.delta_sum, step, rule, digest, wait_s, late)
+        payloads = unpack(c.messages[0])
+        return self.swarm.start_average_encoded(c.fragment, payloads, step, rule, digest, wait_s, late)
+
+    # -- sync.deadline: adaptive (deadline.py) ---------------------------------------------------------
+    def _start_with_deadline(self, c: Contribution, me: str) -> PendingMean:
+        """On time: average at this step, the group waiting for the others until the deadline. Late (the
+        swarm synced this round without this peer; seen now, or when its own search finds no group): the
+        window joins the others' next sync. More than a sync late: lost, counted."""
+        late = self._lateness()
+        if late > 1 or (late == 1 and self._next_step(c.step) is None):
+            return self._lost()
+        if late == 1:
+            handle = _JoinedLate(*self._join_next(c))
         else:
-            handle = self.swarm.start_average_encoded(c.fragment, unpack(c.messages[0]), c.step, rule, digest)
-        return PendingMean(handle, self._mean_of(c, digest, str(self.swarm.peer_id)))
+            deadline, elapsed = self.membership.seconds(), time.monotonic() - self._round_started
+            self.membership.observe(elapsed)  # on time: one more round's time
+            wait_s = max(0.0, deadline - elapsed) if deadline is not None else 0.0
+            first = self._average(c, c.step, self.digest, wait_s)
+            handle = _JoinedLate(first, self.digest, retry=lambda: self._retry_late(c))
+        finish = self._mean_of(c, self.digest, me, handle)
+
+        def finish_and_begin(result) -> Mean:
+            # The next round begins when the sync's exchange ends: at once for all its members, so their
+            # deadlines share a start (the outer step and the progress records that follow vary by peer).
+            self._round_started = time.monotonic()
+            return finish(result)
+
+        return PendingMean(handle, finish_and_begin)
+
+    def _lateness(self) -> int:
+        """How many syncs the swarm went on without this peer this round (0: on time)."""
+        return self._swarm_progress(self._progress) - self._progress
+
+    def _next_step(self, step: int) -> int | None:
+        """The step of the sync after the one at `step`: H steps on, or the run's last; None after it."""
+        if self.total_steps is None:
+            return step + self.every
+        return min(step + self.every, self.total_steps) if step < self.total_steps else None
+
+    def _join_next(self, c: Contribution, can_take_state: bool = True) -> tuple[Any, bytes, int]:
+        """This window into the others' next sync. While they train for it, this peer takes the state
+        they went on from (the global parameters after the sync it missed, its step counter a window on:
+        it skips the window it has no time for), so it applies that sync's mean as they do and starts the
+        next round with them. If it cannot (no donor in time, or its sync in flight), it announces no
+        state digest and takes the group's after the sync (_realign). It looks for their group in short
+        searches, again and again, until it is in one or they went on once more, rather than one search
+        scheduled seconds ahead (hivemind's scheduled_time): after such a search, seen here, every peer's
+        next search ran tens of seconds past its timeout. The others begin the sync at most a deadline
+        after their round's start, which was before now. Returns the sync's handle, the digest announced
+        and the sync's step."""
+        self.membership.late_contributions += 1
+        deadline = self.membership.seconds()
+        bound = time.monotonic() + 2 * (deadline if deadline is not None else self._elapsed())
+        digest = self.digest if can_take_state and self._take_swarm_state() else b""
+        step = self._next_step(c.step)
+
+        def again() -> bool:
+            return time.monotonic() < bound and self._lateness() == 1
+
+        search = _SearchAgain(lambda: self._average(c, step, digest, late=True), again, self._late_missed)
+        return search, digest, step
+
+    def _late_missed(self) -> None:
+        """A late window that found no group for the next sync either: lost after all."""
+        self.membership.late_contributions -= 1
+        self._count_lost()
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self._round_started
+
+    def _take_swarm_state(self) -> bool:
+        state = self._state
+        if state is None or not state.can_adopt():
+            return False
+        progress = self._progress + 1  # the others' after the sync this peer missed
+        took = self._load(
+            state, self._replicas, None, progress, timeout=REALIGN_WAIT_S, skip_steps=self.every
+        )
+        if took:
+            self._serve(state)
+        return took
+
+    def _retry_late(self, c: Contribution):
+        """After a search that found no group: the next sync's handle if the others went on without this
+        peer meanwhile, else None. They publish their progress only once their exchange is done (at most
+        the averaging timeout): a search that ends first (e.g. this peer stalled inside it) looks again
+        until then."""
+        timeouts = getattr(self.swarm, "timeouts", None)
+        settle = time.monotonic() + (timeouts[c.fragment].averaging_timeout if timeouts else 0.0)
+        while (late := self._lateness()) == 0 and time.monotonic() < settle:
+            time.sleep(LATE_POLL_S)
+        if late == 1 and self._next_step(c.step) is not None:
+            return self._join_next(c, can_take_state=False)  # its sync is in flight: it takes it after
+        if late >= 1:
+            self._count_lost()
+        return None
+
+    def _lost(self) -> PendingMean:
+        """A window more than a sync late, or late for the run's last sync: left out, counted; the peer
+        takes the swarm's state after the sync (or the final agreement's)."""
+        self._count_lost()
+        return PendingMean.completed(Mean(None, 0, 0, details={"group_size": 1, "lost_window": True}))
+
+    def _count_lost(self) -> None:
+        self.membership.lost_windows += 1
+        self.membership.lost_steps += self.every
+
+    def _begin_round(self, state: SharedState) -> None:
+        self._progress = state.fragment_syncs
+        if self._round_started is None:  # the first round: from the start of training
+            self._round_started = time.monotonic()
 
     @staticmethod
-    def _mean_of(c: Contribution, digest: bytes, me: str) -> Callable[[object], Mean]:
+    def _mean_of(
+        c: Contribution, digest: bytes, me: str, joined: _JoinedLate | None = None
+    ) -> Callable[[object], Mean]:
+        """joined (sync.deadline): which sync the window went to, and the digest it announced there."""
+
         def finish(result) -> Mean:
+            announced = joined.digest if joined is not None else digest
             if result.excluded_reasons:
                 log.warning("hivemind: contributions excluded: %s", result.excluded_reasons)
             if not result.averaged:
@@ -200,10 +349,12 @@ class SwarmReducer:
                 log.warning("hivemind: no group for fragment %d at step %d: %s", c.fragment, c.step, outcome)
             # Each member uploads its payload to every other member of the group (a mesh all-gather).
             sent = (result.group_size - 1) * c.payload_bytes
-            details = {"group_size": result.group_size, "state_digest": digest.hex()}
+            details = {"group_size": result.group_size, "state_digest": announced.hex()}
+            if joined is not None and joined.late:  # the window joined the sync after the one it was due at
+                details["late"], details["joined_step"] = True, joined.step
             if result.behind_group:
                 details["behind_group"] = True
-            reference = _reference(result.digests, digest)
+            reference = _reference(result.digests, announced)
             if reference is not None:  # JSON-friendly: the details are logged with the sync
                 details["state_reference"], details["state_reference_digest"] = (
                     reference[0],
@@ -218,6 +369,14 @@ class SwarmReducer:
 
     # -- after a sync: catch up, or realign with the group ------------------------------------------
     def after_sync(self, state: SharedState, mean: Mean, replicas: list) -> None:
+        """Catch up or realign (below); with a deadline, count who was missing and begin the next round."""
+        if self.membership is not None and self.workers:
+            self.membership.absent += max(0, self.workers - int(mean.details.get("group_size", 1)))
+        self._realign(state, mean, replicas)
+        if self.membership is not None:
+            self._begin_round(state)
+
+    def _realign(self, state: SharedState, mean: Mean, replicas: list) -> None:
         """A peer that is behind the swarm (it cannot average with peers at another step), that found no
         group while other peers are there (it applied its own pseudogradient, so its global parameters left
         the swarm's), or whose group showed it holds another model than its reference member (e.g. it
@@ -265,7 +424,10 @@ class SwarmReducer:
                         reference,
                     ),
                 )
-                loaded = self._load(state, replicas, _peer(reference), min_progress=progress)
+                # A late window's peer applied the group's mean to its state of a sync before: it takes
+                # the reference's after that sync (one more than its own count).
+                late = int(bool(mean.details.get("late")))
+                loaded = self._load(state, replicas, _peer(reference), min_progress=progress + late)
             else:
                 why = (
                     f"is behind ({progress} syncs, the swarm {ahead})"
@@ -362,3 +524,55 @@ class SwarmReducer:
     def close(self) -> None:
         if self.swarm is not None:
             self.swarm.close()
+
+
+class _JoinedLate:
+    """A sync under sync.deadline: its first search's handle, then, if that found no group because the
+    swarm went on without this peer, the others' next sync's (retry() gives it and the digest announced
+    there, or None). `late` and `digest` tell the mean which it was."""
+
+    def __init__(
+        self, handle, digest: bytes, step: int | None = None, retry: Callable[[], Any] | None = None
+    ) -> None:
+        self.handle, self.digest, self.step, self.retry, self.late = (
+            handle,
+            digest,
+            step,
+            retry,
+            retry is None,
+        )
+
+    def done(self) -> bool:
+        if not self.handle.done():
+            return False
+        return self.retry is None or self.handle.wait().averaged  # else wait() searches again
+
+    def wait(self):
+        result = self.handle.wait()
+        if self.retry is not None and not result.averaged:
+            second, self.retry = self.retry(), None
+            if second is not None:
+                (self.handle, self.digest, self.step), self.late = second, True
+                result = self.handle.wait()
+        return result
+
+
+class _SearchAgain:
+    """Searches for a group, one after another while `again()` holds and none found one; missed() if
+    none did."""
+
+    def __init__(
+        self, start: Callable[[], Any], again: Callable[[], bool], missed: Callable[[], None]
+    ) -> None:
+        self.start, self.again, self.missed = start, again, missed
+        self.handle = start()
+
+    def done(self) -> bool:
+        return self.handle.done() and (self.handle.wait().averaged or not self.again())
+
+    def wait(self):
+        while not (result := self.handle.wait()).averaged and self.again():
+            self.handle = self.start()
+        if not result.averaged and self.missed is not None:
+            self.missed, _ = None, self.missed()
+        return result

@@ -87,8 +87,9 @@ def test_an_async_run_interrupted_resumes_exactly(tiny):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["backend.kind=torchft"], "sync.mode=async runs DiLoCo on backend.kind=local or torch"),
-        (["method=dp"], "sync.mode=async runs DiLoCo on backend.kind=local or torch"),
+        (["backend.kind=torchft"], "global parameters, which backend.kind=torchft does not"),
+        (["backend.kind=hivemind"], "global parameters, which backend.kind=hivemind does not"),
+        (["method=dp"], "sync.mode=async runs DiLoCo"),
         (["backend.kind=torch", "checkpoint.every=2"], "checkpoint.every=0"),
         (["backend.kind=torch", "sync.pacing=by_speed"], "sync.pacing_speeds=declared"),
         (["sync.fragments=2"], "use one fragment without overlap"),

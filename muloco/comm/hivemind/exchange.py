@@ -55,6 +55,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.utils.timed_storage import get_dht_time
 
 from muloco.comm.aggregate import aggregate, robust_minimum
 from muloco.comm.hivemind.auth import SwarmAuth
@@ -152,6 +153,8 @@ class _Contribution:
     token: bytes = b""
     rule: tuple[str, int] = ("mean", 1)  # (sync.aggregate, sync.trim): how the group combines
     digest: bytes = b""  # this peer's global state digest when the sync starts (state_sharing.py)
+    wait_s: float = 0.0  # how long a group it leads waits for members (sync.deadline); 0: matchmaking_time
+    late: bool = False  # a window that missed its own sync (sync.deadline): it joins the next one
 
 
 class FragmentSync:
@@ -181,7 +184,13 @@ class FragmentSync:
         return self.pending is not None and not self.pending.done()
 
     def start(
-        self, tensors: list[torch.Tensor], step: int, rule: tuple[str, int], digest: bytes
+        self,
+        tensors: list[torch.Tensor],
+        step: int,
+        rule: tuple[str, int],
+        digest: bytes,
+        wait_s: float = 0.0,
+        late: bool = False,
     ) -> AveragingHandle:
         """Step 1 (encode) now, so the caller may reuse the tensors; the rest in the executor."""
         if len(tensors) != len(self.shapes) or any(
@@ -198,14 +207,20 @@ class FragmentSync:
             own = _Contribution(int(step), None, None, withheld(str(exc)))
         else:
             own = self.own_contribution(int(step), messages)
-        own.rule, own.digest = rule, digest
+        own.rule, own.digest, own.wait_s, own.late = rule, digest, wait_s, late
         return self.launch(own, time.perf_counter() - t0)
 
     def start_encoded(
-        self, payloads: list[bytes], step: int, rule: tuple[str, int], digest: bytes
+        self,
+        payloads: list[bytes],
+        step: int,
+        rule: tuple[str, int],
+        digest: bytes,
+        wait_s: float = 0.0,
+        late: bool = False,
     ) -> AveragingHandle:
         own = self.own_contribution(int(step), [wrap_payload(p) for p in payloads])
-        own.rule, own.digest = rule, digest
+        own.rule, own.digest, own.wait_s, own.late = rule, digest, wait_s, late
         return self.launch(own, 0.0)
 
     def own_contribution(self, step: int, messages: list[runtime_pb2.Tensor]) -> _Contribution:
@@ -230,7 +245,7 @@ class FragmentSync:
         return AveragingHandle(
             self.pending,
             partial(self._no_group, own, {"encode": encode_s}),
-            self.timeouts.worst_case + HANDLE_SLACK_S,
+            own.wait_s + self.timeouts.worst_case + HANDLE_SLACK_S,
         )
 
     def _sync(self, own: _Contribution, encode_s: float) -> AverageResult:
@@ -241,6 +256,12 @@ class FragmentSync:
         members = self._find_group(own)
         seconds["matchmaking"] = time.perf_counter() - t0
         if members is None:
+            return self._no_group(own, seconds)
+        if all(meta.get("late") is True for meta in members.values()):
+            # Late windows only (sync.deadline): averaged among themselves, they would sync the step
+            # before the workers it is due to, who would then see the swarm past them and be late in
+            # turn. Every member sees the same metadata, so all give it up alike.
+            log.info("hivemind fragment=%d step=%d: a group of late windows only", fragment, own.step)
             return self._no_group(own, seconds)
 
         if own.messages is not None:
@@ -320,12 +341,17 @@ class FragmentSync:
         fields = (self.fragment, own.step, self.peer_id, token or b"", own.digest, *rule)
         tag = self.auth.tag("group metadata", *fields)
         meta = {"step": own.step, "token": token, "digest": own.digest, "rule": rule, "tag": tag}
+        meta["late"] = own.late  # not in the tag: a member that lies about it can only make a group fail
         control = None
+        # sync.deadline: the group may begin wait_s from now (hivemind's scheduled_time: a leader waits
+        # for members until then, a full group begins at once); the search lasts that much longer.
+        schedule = {"scheduled_time": get_dht_time() + own.wait_s} if own.wait_s > 0 else {}
+        timeout = own.wait_s + t.group_deadline
         try:
             control = self.averager.step(
-                gather=meta, timeout=t.group_deadline, allow_retries=True, wait=False
+                gather=meta, timeout=timeout, allow_retries=True, wait=False, **schedule
             )
-            gathered = control.result(timeout=t.group_deadline + t.averaging_timeout)
+            gathered = control.result(timeout=timeout + t.averaging_timeout)
         except Exception as exc:  # MatchmakingException, AllreduceException, TimeoutError, a closed pipe
             log.info(
                 "hivemind fragment=%d step=%d: no group (%s)", self.fragment, own.step, type(exc).__name__

@@ -129,6 +129,8 @@ class HivemindSwarm:
         step: int,
         rule: tuple[str, int] = ("mean", 1),
         digest: bytes = b"",
+        wait_s: float = 0.0,
+        late: bool = False,
     ) -> AveragingHandle:
         """Start averaging `tensors` (fragment `fragment`, outer step `step`) with the peers present.
 
@@ -136,9 +138,12 @@ class HivemindSwarm:
         this once per fragment per outer step; a peer at another step is not averaged with. A tensor with
         non-finite values is not sent: this peer then only receives the others' mean. rule: (sync.aggregate,
         sync.trim), how the group's contributions are combined (muloco.comm.aggregate); every member must
-        use the same. digest: this peer's state digest (`share_state`'s), announced to the group.
+        use the same. digest: this peer's state digest (`share_state`'s), announced to the group. wait_s:
+        how long a group this peer leads may wait for more members before it begins (sync.deadline; 0:
+        matchmaking_time), on top of which it looks for a group for the group deadline. late: a window
+        that missed its own sync (sync.deadline): a group of late windows only is no group.
         """
-        return self._fragment(fragment).start(tensors, step, rule, digest)
+        return self._fragment(fragment).start(tensors, step, rule, digest, wait_s, late)
 
     def start_average_encoded(
         self,
@@ -147,10 +152,12 @@ class HivemindSwarm:
         step: int,
         rule: tuple[str, int] = ("mean", 1),
         digest: bytes = b"",
+        wait_s: float = 0.0,
+        late: bool = False,
     ) -> AveragingHandle:
         """As start_average, for payloads already encoded with this swarm's compressors (e.g. by a
         PseudogradientCodec with error feedback: `muloco.sync.codec.unpack(codec.encode(delta, ef))`)."""
-        return self._fragment(fragment).start_encoded(payloads, step, rule, digest)
+        return self._fragment(fragment).start_encoded(payloads, step, rule, digest, wait_s, late)
 
     def _fragment(self, fragment: int) -> FragmentSync:
         if self._closed:
