@@ -19,7 +19,8 @@
   per sync, retries, a rejoining worker's live heal (imports torchft lazily).
 - `swarm.py`: `SwarmReducer`, the reducer over a hivemind swarm (`muloco.comm.hivemind.HivemindSwarm`):
   contributions, joining and catching up through the engine's `SharedState` (imports hivemind lazily);
-  with `deadline.py`'s `RoundDeadline` (sync.deadline: adaptive) a late window joins the next sync.
+  with `deadline.py`'s `RoundDeadline` (sync.deadline: adaptive) and `late_windows.py` a late window joins
+  the next sync.
 """
 
 from __future__ import annotations
