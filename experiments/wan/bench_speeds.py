@@ -19,7 +19,8 @@ the target; its time to the target is its train clock at its first evaluation at
 row's loss at the equal-speed run's train time. Repeats are interleaved (every scenario's rows, then
 again); the horizons the first repeat found are the later repeats'.
 
-    python experiments/wan/bench_speeds.py --repeats 3            # root; the committed JSON
+    python experiments/wan/bench_speeds.py --repeats 3 --scenarios equal,half,quarter   # root; the JSON
+                                                                  # committed (~2 h; spread: not yet run)
     python experiments/wan/bench_speeds.py --quick                # 2 scenarios, a few rounds (< 3 min)
 
 Needs root, iproute2 and the cgroup v1 cpu controller. Prints a table and writes JSON (--out).
@@ -113,6 +114,22 @@ def run_row(
         "final_val_loss": result["summary"]["final_val_loss"],
         "tokens_seen": result["summary"]["tokens_seen"],
         "train_s": result["evals"][-1]["train_s"],
+        **round_breakdown(result),
+    }
+
+
+def round_breakdown(result: dict) -> dict:
+    """Where a round's time went, rank 0's: compute, network wait (a sync's collectives, the slowest's
+    barrier) and the rest (e.g. a blocking exchange outside the sync), in ms a round."""
+    summary, train_s = result["summary"], result["evals"][-1]["train_s"]
+    rounds = summary["outer_steps"]
+    compute, wait = summary["worker_compute_s"], summary["comm_wait_s"]
+    return {
+        "rounds": rounds,
+        "round_ms": round(1000 * train_s / rounds, 1),
+        "compute_ms": round(1000 * compute / rounds, 1),
+        "wait_ms": round(1000 * wait / rounds, 1),
+        "other_ms": round(1000 * (train_s - compute - wait) / rounds, 1),
     }
 
 
@@ -133,6 +150,7 @@ def measure(runs: list[dict], target: float, equal_train_s: float) -> dict:
         "loss_at_equal_time": loss_at(chosen["evals"], equal_train_s),
         "final_val_loss": chosen["final_val_loss"],
         "tokens_seen": chosen["tokens_seen"],
+        **{k: chosen[k] for k in ("rounds", "round_ms", "compute_ms", "wait_ms", "other_ms") if k in chosen},
     }
 
 
@@ -195,18 +213,20 @@ def main() -> int:
         for r in results:
             if r["repeat"] == repeat:
                 r["vs_equal_sync"] = r["time_to_target_s"] / equal_s if r["time_to_target_s"] else None
-    table = summarize(results)
+        # Written after every repeat: a run cut short keeps the repeats it finished
+        table = summarize(results)
+        payload = {
+            "command": " ".join(sys.argv),
+            "link": {"rate_mbit": link[0], "delay_ms": link[1]},
+            "cores_per_host": args.cores_per_host,
+            "scenarios": {s: SCENARIOS[s] for s in scenarios},
+            "repeats_done": repeat + 1,
+            "runs": results,
+            "table": table,
+            "bench_s": round(time.perf_counter() - started, 1),
+        }
+        args.out.write_text(json.dumps(payload, indent=1) + "\n")
     print(format_table(table))
-    payload = {
-        "command": " ".join(sys.argv),
-        "link": {"rate_mbit": link[0], "delay_ms": link[1]},
-        "cores_per_host": args.cores_per_host,
-        "scenarios": {s: SCENARIOS[s] for s in scenarios},
-        "runs": results,
-        "table": table,
-        "bench_s": round(time.perf_counter() - started, 1),
-    }
-    args.out.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 

@@ -31,10 +31,10 @@ class LateWindows:
         late = self._lateness()
         if late > 1 or (late == 1 and self._next_step(c.step) is None):
             return self._lost()
+        deadline, elapsed = self.membership.seconds(), time.monotonic() - self._round_started
         if late == 1:
             handle = JoinedLate(*self._join_next(c))
         else:
-            deadline, elapsed = self.membership.seconds(), time.monotonic() - self._round_started
             self.membership.observe(elapsed)  # on time: one more round's time
             wait_s = max(0.0, deadline - elapsed) if deadline is not None else 0.0
             first = self._average(c, c.step, self.digest, wait_s)
@@ -45,7 +45,11 @@ class LateWindows:
             # The next round begins when the sync's exchange ends: at once for all its members, so their
             # deadlines share a start (the outer step and the progress records that follow vary by peer).
             self._round_started = time.monotonic()
-            return finish(result)
+            mean = finish(result)
+            # In the sync record: how the round went against its deadline (why a window was late)
+            mean.details["round_s"] = round(elapsed, 3)
+            mean.details["deadline_s"] = round(deadline, 3) if deadline is not None else None
+            return mean
 
         return PendingMean(handle, finish_and_begin)
 

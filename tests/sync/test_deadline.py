@@ -98,6 +98,8 @@ def test_a_peer_on_time_waits_for_the_others_until_the_deadline():
     assert started["step"] == 50 and started["digest"] == b"d" * 16
     assert 1.2 - gone <= started["wait_s"] <= 0.7  # the deadline 1.2 s from the round's start, 0.5 s gone
     assert "late" not in mean.details and reducer.membership.late_contributions == 0
+    # the sync record says how the round went against its deadline
+    assert mean.details["deadline_s"] == 1.2 and 0.5 <= mean.details["round_s"] <= gone
     assert len(reducer.membership.times) == 4  # this round's time, measured
     assert time.monotonic() - reducer._round_started < 0.5  # the next round begins as the sync ends
 
