@@ -132,21 +132,23 @@ def _goal(scenario: str) -> Figure:
     def render(data: dict) -> str:
         best = _best(data, scenario)
         met = "met" if best["vs_equal_sync_median"] <= GOALS[scenario] else "missed"
-        drop = next(e for e in data["table"] if (e["scenario"], e["row"]) == (scenario, "drop_slow"))
+        drop = _entry(data, scenario, "drop_slow")
         than = "faster" if best["vs_equal_sync_median"] < drop["vs_equal_sync_median"] else "slower"
         return f"{ROW_LABELS[best['row']]}, {_ratio(best)}: {met}, and {than} than dropping the slow host"
 
     return Figure(SPEEDS, render)
 
 
-def _scenario_row(scenario: str, row: str) -> Figure:
-    def render(data: dict) -> str:
-        for entry in data["table"]:
-            if (entry["scenario"], entry["row"]) == (scenario, row):
-                return _ratio(entry)
-        raise FigureError(f"no row {row} of {scenario} in {SPEEDS}")
+def _entry(data: dict, scenario: str, row: str) -> dict:
+    """bench_speeds' table entry of `row` in `scenario`."""
+    for entry in data["table"]:
+        if (entry["scenario"], entry["row"]) == (scenario, row):
+            return entry
+    raise FigureError(f"no row {row} of {scenario} in {SPEEDS}")
 
-    return Figure(SPEEDS, render)
+
+def _scenario_row(scenario: str, row: str) -> Figure:
+    return Figure(SPEEDS, lambda data: _ratio(_entry(data, scenario, row)))
 
 
 def _per_round(scenario: str, row: str, part: str) -> Figure:
@@ -164,14 +166,7 @@ def _per_round(scenario: str, row: str, part: str) -> Figure:
 
 def _horizon(scenario: str, row: str) -> Figure:
     """The rounds a row needed to reach the reference loss, x the reference's: '1.3x'."""
-
-    def render(data: dict) -> str:
-        for entry in data["table"]:
-            if (entry["scenario"], entry["row"]) == (scenario, row):
-                return f"{entry['horizon']:g}x"
-        raise FigureError(f"no row {row} of {scenario} in {SPEEDS}")
-
-    return Figure(SPEEDS, render)
+    return Figure(SPEEDS, lambda data: f"{_entry(data, scenario, row)['horizon']:g}x")
 
 
 def _equal_seconds(data: dict) -> str:
