@@ -80,7 +80,8 @@ class SyncConfig(Section):
     pacing_speeds: Literal["measured", "declared"] = Field(
         "measured",
         description="sync.pacing: by_speed: the speeds that size the rounds. measured: each worker's mean "
-        "inner-step time in the previous round, exchanged over the processes (the first round: "
+        "inner-step time in the round before the previous one, exchanged over the processes during the "
+        "previous one (the first two rounds: "
         "train.speed's); declared: train.speed's throughout (hivemind and torchft: declared only, their "
         "workers share no collective outside a sync).",
     )

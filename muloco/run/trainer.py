@@ -43,7 +43,7 @@ from muloco.run.inner_steps import InnerSteps
 from muloco.run.lr_schedule import lr_multiplier
 from muloco.run.metrics import MetricsLogger, finish_wandb, log_run_start, run_start_fields, start_wandb
 from muloco.run.offload import ReplicaOffload, offload_applies
-from muloco.run.pacing import SpeedClock, all_step_times, round_step_times, worker_pacing
+from muloco.run.pacing import SpeedClock, round_step_times, worker_pacing
 from muloco.run.resume import check_same_config
 from muloco.run.run_dir import (
     prepare_run_dir,
@@ -256,8 +256,7 @@ class Trainer:
         # 2. The sync event: the syncs due applied, the fragments scheduled started (engine.round). The
         #    first record of the round carries each worker's step time in it.
         step_times = round_step_times(self.replicas, self.cfg.workers, self.topology.is_lead)
-        measured = all_step_times(self.backend, step_times) if self.pacing.measured else []
-        self.pacing.close_round(end, measured)
+        self.pacing.close_round(end, self.pacing.exchange(self.backend, step_times))
         for record in self.engine.round(end, self.replicas, round_loss=self._round_loss):
             self.log.sync(record, step_times)
             step_times = ()

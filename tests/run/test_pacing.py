@@ -1,8 +1,10 @@
 """Workers of different speeds (run/pacing.py): pacing by speed (DyLU) takes each worker's share of a round,
 weighted or not, exactly as the replicas stepped by hand; emulated speeds show in the step times and the
-virtual clock; resume is exact; bad settings are refused in one line."""
+virtual clock; measured step times are exchanged during the next round; resume is exact; bad settings are
+refused in one line."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,6 +47,42 @@ def test_measured_step_times_set_the_speeds_of_the_next_rounds():
     declared = Pacing([1.0, 0.5, 0.25], every=4, by_speed=True)
     declared.close_round(4, [(0.4, 4), (0.4, 4), (0.4, 4)])
     assert declared.speeds == [1.0, 0.5, 0.25]  # declared speeds stay
+
+
+class AllReduceByHand:
+    """Two processes' backend as one of them sees it: the sum is its own plus the other's times (an
+    all-reduce in flight until waited)."""
+
+    world_size = 2
+
+    def __init__(self, others):
+        self.others, self.started = list(others), 0
+
+    def all_reduce_sum(self, tensors):
+        other = torch.tensor(self.others.pop(0), dtype=torch.float64)
+        self.started += 1
+        return SimpleNamespace(wait=lambda: [tensors[0] + other])
+
+
+def test_measured_step_times_are_exchanged_during_the_next_round_and_a_checkpoint_keeps_them():
+    """The all-reduce of a round's step times is waited at the next round's close: the speeds lag a round
+    (a blocking one cost a collective before every sync); a checkpoint between holds its result."""
+    backend = AllReduceByHand([[(0.0, 0), (0.8, 4)], [(0.0, 0), (1.6, 4)], [(0.0, 0), (0.4, 4)]])
+    pacing = Pacing([1.0, 1.0], every=4, by_speed=True, measured=True)
+    assert pacing.exchange(backend, ((0.4, 4), (0.0, 0))) == []  # round 1: nothing measured yet
+    assert backend.started == 1
+    assert pacing.exchange(backend, ((0.4, 4), (0.0, 0))) == [(0.4, 4), (0.8, 4)]  # round 1's, in round 2
+    state = pacing.state_dict()  # mid-run: round 2's all-reduce, settled into the checkpoint
+    assert state["previous_times"] == [[0.4, 4.0], [1.6, 4.0]] and pacing.pending is None
+    resumed = Pacing([1.0, 1.0], every=4, by_speed=True, measured=True)
+    resumed.load_state_dict(state)
+    for p in (pacing, resumed):  # the run and its resumed copy read the same round 2 at round 3
+        assert p.exchange(AllReduceByHand([[(0.0, 0), (0.4, 4)]]), ((0.4, 4), (0.0, 0))) == [
+            (0.4, 4),
+            (1.6, 4),
+        ]
+    declared = Pacing([1.0, 0.5], every=4, by_speed=True)
+    assert declared.exchange(backend, ((0.4, 4), (0.0, 0))) == [] and backend.started == 2  # no collective
 
 
 def test_measured_speeds_within_the_tolerance_of_the_fastest_pace_as_the_fastest():
