@@ -79,7 +79,8 @@ def check_markers(root: Path, figures: dict[str, Figure], paths: list[Path]) -> 
                 problems.append(
                     Problem(
                         where,
-                        f"figure {name} reads {quoted!r}, its source {figures[name].source} gives "
+                        f"figure {name} reads {quoted!r}, its source "
+                        f"{', '.join(figures[name].sources)} gives "
                         f"{expected!r} (python scripts/docs_figures.py --write)",
                     )
                 )
@@ -175,7 +176,7 @@ def main() -> int:
                 value = fig.value(ROOT)
             except (FigureError, KeyError, ValueError) as exc:
                 value = f"(error: {exc})"
-            print(f"{name:40} {value:>16}  {fig.source}")
+            print(f"{name:40} {value:>16}  {', '.join(fig.sources)}")
         return 0
     if args.write:
         print(f"docs_figures: {write()} figure(s) rewritten")

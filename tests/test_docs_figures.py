@@ -72,6 +72,21 @@ def test_a_missing_source_and_an_unknown_name_fail(repo):
     assert any("bench.speedup is quoted nowhere" in w for w in whats)
 
 
+def test_a_figure_of_several_runs_gets_each_and_fails_naming_the_one_missing(repo):
+    root, figures = repo
+    (root / "results/later.json").write_text(json.dumps({"rows": [{"speedup": 0.048}]}))
+    best = Figure(
+        ("results/bench.json", "results/later.json"),
+        lambda runs: f"{min(r['rows'][0]['speedup'] for r in runs):.3f}x",
+    )
+    figures = {"bench.speedup": best}
+    (root / "README.md").write_text("MuLoCo takes <!-- fig bench.speedup -->0.048x<!-- /fig --> DDP's.\n")
+    assert docs_figures.check(root, figures) == []
+    (root / "results/later.json").unlink()
+    (problem,) = docs_figures.check(root, figures)
+    assert "results/later.json is missing" in problem.what
+
+
 def test_an_unmarked_measured_looking_number_in_a_guide_fails_unless_exempt(repo):
     root, figures = repo
     guide = root / "docs/wan.md"

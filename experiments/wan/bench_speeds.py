@@ -19,8 +19,9 @@ the target; its time to the target is its train clock at its first evaluation at
 row's loss at the equal-speed run's train time. Repeats are interleaved (every scenario's rows, then
 again); the horizons the first repeat found are the later repeats'.
 
-    python experiments/wan/bench_speeds.py --repeats 3 --scenarios equal,half,quarter   # root; the JSON
-                                                                  # committed (~2 h; spread: not yet run)
+    python experiments/wan/bench_speeds.py --repeats 3 --scenarios equal,half,quarter   # root; ~100 min
+    python experiments/wan/bench_speeds.py --repeats 3 --scenarios spread \
+        --out experiments/wan/results/bench_speeds_spread.json                           # ~1 h
     python experiments/wan/bench_speeds.py --quick                # 2 scenarios, a few rounds (< 3 min)
 
 Needs root, iproute2 and the cgroup v1 cpu controller. Prints a table and writes JSON (--out).

@@ -23,14 +23,22 @@ class FigureError(Exception):
 
 @dataclass(frozen=True)
 class Figure:
-    source: str  # a committed JSON, relative to the repository
+    # a committed JSON, relative to the repository; or several, when a figure combines runs (render then
+    # gets their contents in that order)
+    source: str | tuple[str, ...]
     render: Callable[[Any], str]  # the JSON -> the text quoted
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source,) if isinstance(self.source, str) else self.source
+
     def value(self, root: Path) -> str:
-        path = root / self.source
-        if not path.exists():
-            raise FigureError(f"its source {self.source} is missing (commit it, or take the figure out)")
-        return self.render(_load(path))
+        sources = self.sources
+        for source in sources:
+            if not (root / source).exists():
+                raise FigureError(f"its source {source} is missing (commit it, or take the figure out)")
+        loaded = [_load(root / source) for source in sources]
+        return self.render(loaded[0] if isinstance(self.source, str) else loaded)
 
 
 @cache
