@@ -114,8 +114,9 @@ class Pacing(Component):
     ) -> list[tuple[float, int]]:
         """measured: every worker's (seconds, inner steps) of the round before this one, from every process,
         and this round's all-reduce started in the background (read at the next round's close). One round
-        stale, because an all-reduce that waited here put a collective's round trips before every sync:
-        ~0.1 s a round over bench_speeds' ratio-5 link, 15% of a pico round. Not measured: []."""
+        stale, because an all-reduce that waited here put a collective's round trips, and the fast hosts'
+        wait for the slowest, before every sync (docs/records/wan.md, hosts of different speeds). Not
+        measured: []."""
         if not self.measured:
             return []
         self._settle()
