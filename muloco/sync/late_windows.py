@@ -119,6 +119,7 @@ class LateWindows:
             return self._join_next(c, can_take_state=False)  # its sync is in flight: it takes it after
         if late >= 1:
             self._count_lost()
+            return LOST
         return None
 
     def _lost(self) -> PendingMean:
@@ -137,10 +138,13 @@ class LateWindows:
             self._round_started = time.monotonic()
 
 
+LOST = "lost"  # _retry_late: the swarm went on without this window too far for it to join: lost, counted
+
+
 class JoinedLate:
     """A sync under sync.deadline: its first search's handle, then, if that found no group because the
     swarm went on without this peer, the others' next sync's (retry() gives it and the digest announced
-    there, or None). `late` and `digest` tell the mean which it was."""
+    there, None, or LOST). `late`, `lost` and `digest` tell the mean which it was."""
 
     def __init__(
         self, handle, digest: bytes, step: int | None = None, retry: Callable[[], Any] | None = None
@@ -152,6 +156,7 @@ class JoinedLate:
             retry,
             retry is None,
         )
+        self.lost = False
 
     def done(self) -> bool:
         if not self.handle.done():
@@ -162,7 +167,8 @@ class JoinedLate:
         result = self.handle.wait()
         if self.retry is not None and not result.averaged:
             second, self.retry = self.retry(), None
-            if second is not None:
+            self.lost = second is LOST
+            if second is not None and not self.lost:
                 (self.handle, self.digest, self.step), self.late = second, True
                 result = self.handle.wait()
         return result

@@ -198,19 +198,23 @@ def test_a_straggler_does_not_stall_the_others_and_its_windows_join_the_next_syn
     assert result.returncode == 0, result.stderr[-3000:]
     straggler = sync_records(tmp_path / "swarm-peer2")
     late = [r for r in straggler if r.get("late")]
-    # Its late windows each joined a later sync's mean (a group of 2 or more), in place of its next window;
-    # which peers met there varies (at the start, before a peer has its deadline, a full-speed one can be
-    # late too), so the records are checked, not the groups' members.
-    assert late and all(r["group_size"] >= 2 for r in late) and len(straggler) < 7, straggler
-    synced = set()
-    for i in (0, 1):
-        run = tmp_path / f"swarm-peer{i}"
-        synced |= {r["step"] for r in sync_records(run) if not r.get("late") and r["group_size"] >= 2}
-        assert json.loads((run / "summary.json").read_text())["absent_contributions"] >= 1
-    assert synced >= {40, 50, 60, 70}, synced  # never stalled: past the first rounds, a sync every round
+    joined = [r for r in late if not r.get("lost_window")]
+    # Its late windows joined a later sync's mean (a group of 2 or more), in place of its next window, or
+    # found no group there either and were lost after all (counted so); which peers met varies (at the
+    # start, before a peer has its deadline, and on busy cores, a full-speed one can be late too), so the
+    # records are checked, not the groups' members.
+    assert joined and all(r["group_size"] >= 2 for r in joined) and len(straggler) < 7, straggler
     summary = json.loads((tmp_path / "swarm-peer2/summary.json").read_text())
-    assert summary["late_contributions"] == len(late)
+    assert summary["late_contributions"] == len(joined)
     assert summary["lost_steps"] == 10 * summary["lost_windows"]
+    assert summary["lost_windows"] == sum(1 for r in straggler if r.get("lost_window"))
+    synced = set()  # the syncs held in a group of 2 or more, on time or joined late
+    for i in range(3):
+        run = tmp_path / f"swarm-peer{i}"
+        synced |= {r.get("joined_step", r["step"]) for r in sync_records(run) if r["group_size"] >= 2}
+        if i < 2:
+            assert json.loads((run / "summary.json").read_text())["absent_contributions"] >= 1
+    assert synced >= {40, 50, 60, 70}, synced  # never stalled: past the first rounds, a sync every round
     digests = {json.loads((tmp_path / f"swarm-peer{i}/summary.json").read_text())["final_state_digest"]
                for i in range(3)}  # fmt: skip
     assert len(digests) == 1

@@ -126,6 +126,16 @@ def test_a_search_without_a_group_retries_at_the_next_sync_once_the_others_publi
     assert reducer.membership.late_contributions == 1
 
 
+def test_a_search_without_a_group_after_which_the_others_are_two_syncs_on_is_lost_and_recorded_so():
+    reducer = reducer_at(progress=4, others={"a": 4, "b": 4}, results=[no_group()])
+    pending = reducer.start_mean(contribution(50))
+    reducer.swarm.others = {"a": 6, "b": 6}  # this peer stalled in its search while they synced twice
+    mean = pending.wait()
+    assert [s["step"] for s in reducer.swarm.started] == [50] and mean.details["lost_window"]
+    assert "late" not in mean.details and reducer.membership.late_contributions == 0
+    assert (reducer.membership.lost_windows, reducer.membership.lost_steps) == (1, 10)
+
+
 def test_more_than_a_sync_late_or_late_for_the_last_sync_is_lost_and_counted():
     reducer = reducer_at(progress=4, others={"a": 6, "b": 6}, results=[])
     mean = reducer.start_mean(contribution(50)).wait()
@@ -168,8 +178,10 @@ def test_a_late_window_searches_again_until_the_others_arrive_or_go_on_once_more
     reducer = reducer_at(progress=4, others={"a": 5, "b": 5}, results=[no_group(), no_group(), averaged()])
     mean = reducer.start_mean(contribution(50)).wait()
     assert [s["step"] for s in reducer.swarm.started] == [60, 60, 60] and mean.details["late"] is True
+    assert "lost_window" not in mean.details
     gone = reducer_at(progress=4, others={"a": 5, "b": 5}, results=[no_group(), averaged()])
     pending = gone.start_mean(contribution(50))
     gone.swarm.others = {"a": 6, "b": 6}  # they synced again without it: no more searches
-    assert pending.wait().values is None and len(gone.swarm.started) == 1
+    lost = pending.wait()
+    assert lost.values is None and lost.details["lost_window"] and len(gone.swarm.started) == 1
     assert (gone.membership.late_contributions, gone.membership.lost_windows) == (0, 1)  # lost after all
