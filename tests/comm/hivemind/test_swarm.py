@@ -323,7 +323,13 @@ def test_a_peer_killed_mid_exchange_costs_the_others_at_most_one_timeout(trio, s
             # A sync takes ~ matchmaking_time; the death adds at most averaging_timeout (+ 2 busy cores).
             assert r["elapsed_s"] <= t["worst_case"] + 3.0, r
 
-        after = average(trio, 2, [contribution(s) for s in range(3)], t["worst_case"])
+        # The death wedges no survivor: the three meet again. On busy cores hivemind's matchmaking now and
+        # then leaves one peer out of a round (its search ends while the pair's leader has begun, as in any
+        # round), so they get a second sync to meet in; a survivor stuck since the kill misses both.
+        for step in (2, 3):
+            after = average(trio, step, [contribution(s) for s in range(3)], t["worst_case"])
+            if all(r["averaged"] and r["group_size"] == 3 for r in after):
+                break
         for r in after:
             assert (r["averaged"], r["group_size"], r["excluded"]) == (True, 3, 0), r["excluded_reasons"]
             assert r["mean"] == after[0]["mean"]
