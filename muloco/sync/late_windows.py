@@ -171,6 +171,7 @@ class JoinedLate:
             if second is not None and not self.lost:
                 (self.handle, self.digest, self.step), self.late = second, True
                 result = self.handle.wait()
+        self.lost = self.lost or (self.late and not result.averaged)  # no group at the next sync either
         return result
 
 

@@ -243,8 +243,7 @@ class SwarmReducer(LateWindows):
             details = {"group_size": result.group_size, "state_digest": announced.hex()}
             if joined is not None and joined.late:  # the window joined the sync after the one it was due at
                 details["late"], details["joined_step"] = True, joined.step
-            # Late and no group at the next sync either, or the others went on too far: lost, counted
-            if joined is not None and (joined.lost or (joined.late and not result.averaged)):
+            if joined is not None and joined.lost:  # counted by LateWindows
                 details["lost_window"] = True
             if result.behind_group:
                 details["behind_group"] = True
