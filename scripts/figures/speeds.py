@@ -175,13 +175,18 @@ def _per_round(scenario: str, row: str, part: str) -> Figure:
 
     def render(runs: list[dict]) -> str:
         _, run = _entry(runs, scenario, row)
-        mine = [r for r in run["runs"] if (r["scenario"], r["row"]) == (scenario, row)]
-        if not mine or part not in mine[0]:
-            raise FigureError(f"no {part} for {row} of {scenario} in {', '.join(RUNS)}")
-        median = statistics.median(r[part] for r in mine)
-        return f"{median:.0f} of {statistics.median(r['round_ms'] for r in mine):.0f} ms"
+        return _part_of_round(run, scenario, row, part, ", ".join(RUNS))
 
     return Figure(RUNS, render)
+
+
+def _part_of_round(run: dict, scenario: str, row: str, part: str, where: str) -> str:
+    """The median ms a round of `part` of `row` in `scenario` over the run's repeats: '175 of 855 ms'."""
+    mine = [r for r in run["runs"] if (r["scenario"], r["row"]) == (scenario, row)]
+    if not mine or part not in mine[0]:
+        raise FigureError(f"no {part} for {row} of {scenario} in {where}")
+    median = statistics.median(r[part] for r in mine)
+    return f"{median:.0f} of {statistics.median(r['round_ms'] for r in mine):.0f} ms"
 
 
 def _horizon(scenario: str, row: str) -> Figure:
@@ -204,14 +209,7 @@ def _reference_part(source: str, part: str) -> Figure:
     """The equal-speed reference's median ms a round of `part` in the run at `source` (beside that run's
     rows, as their ratios are): '142 of 899 ms'."""
 
-    def render(data: dict) -> str:
-        mine = [r for r in data["runs"] if (r["scenario"], r["row"]) == ("equal", "sync")]
-        if not mine or part not in mine[0]:
-            raise FigureError(f"no {part} for the reference in {source}")
-        median = statistics.median(r[part] for r in mine)
-        return f"{median:.0f} of {statistics.median(r['round_ms'] for r in mine):.0f} ms"
-
-    return Figure(source, render)
+    return Figure(source, lambda data: _part_of_round(data, "equal", "sync", part, source))
 
 
 FIGURES: dict[str, Figure] = {
